@@ -1,0 +1,165 @@
+"""Megatron-style command-line flags generated from the config dataclasses, and JSON loading.
+
+Precedence (lowest first): dataclass defaults < --model preset < --config FILE.json < flags.
+"""
+
+import argparse
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .run import SECTIONS, RunConfig
+
+# Flags whose names differ from "--" + field name with dashes.
+FLAG_NAMES = {
+    ("model", "norm_eps"): "--norm-epsilon",
+    ("parallel", "world_size"): "--world-size",
+}
+SECTION_PREFIX = {"federation": "fl-"}
+
+
+def flag_name(section: str, name: str) -> str:
+    """The command-line flag of one config field."""
+    return FLAG_NAMES.get((section, name), "--" + SECTION_PREFIX.get(section, "") + name.replace("_", "-"))
+
+
+def _field_type(cls, f: dataclasses.Field):
+    """The scalar type of a field (Optional[int] -> int)."""
+    hint = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All flags; every default is SUPPRESS so that only what the user typed reaches the config."""
+    parser = argparse.ArgumentParser(
+        prog="fl_megatron.pretrain", argument_default=argparse.SUPPRESS,
+        description="Pre-train a Llama/GPT model with federated sharded data parallelism "
+                    "(FL+FSDP, FL+HSDP). Launch with torchrun; --dry-run plans without processes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run = parser.add_argument_group("run")
+    run.add_argument("--config", metavar="FILE.json", help="load settings from a JSON file (flags override it)")
+    run.add_argument("--model", metavar="PRESET", help="model preset, e.g. llama-tiny, llama3.1-8b, gpt2-small "
+                                                         "(shape flags override it)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate, print the layout, parameter count, memory and communication estimates, exit")
+    defaults = RunConfig()
+    for section in SECTIONS:
+        cls = type(getattr(defaults, section))
+        group = parser.add_argument_group(section, cls.__doc__)
+        for f in dataclasses.fields(cls):
+            ftype = _field_type(cls, f)
+            help_text = f.metadata.get("help", "") + f" (default: {getattr(getattr(defaults, section), f.name)})"
+            help_text = help_text.replace("%", "%%")
+            dest = f"{section}.{f.name}"
+            name = flag_name(section, f.name)
+            if ftype is bool:
+                group.add_argument(name, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                group.add_argument(name, dest=dest, type=ftype, metavar=ftype.__name__.upper(), help=help_text)
+    return parser
+
+
+def _apply(target, values: dict, where: str) -> None:
+    """Set dataclass fields from a dict, rejecting unknown keys and wrong types."""
+    cls = type(target)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys are {', '.join(sorted(fields))}")
+    for key, value in values.items():
+        ftype = _field_type(cls, fields[key])
+        if value is not None:
+            ok = isinstance(value, ftype) if ftype is not float else isinstance(value, (int, float))
+            if ftype is int and isinstance(value, bool) or ftype is not bool and isinstance(value, bool):
+                ok = False
+            if not ok:
+                raise ValueError(f"{where}.{key}: expected {ftype.__name__}, got {value!r}")
+            if ftype is float:
+                value = float(value)
+        setattr(target, key, value)
+
+
+def load_json(path: str) -> dict:
+    """Read a JSON config file; errors name the file and position."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: the top level must be an object with sections {', '.join(SECTIONS)}")
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"config file {path}: unknown section(s) {', '.join(unknown)}; "
+                         f"valid sections are {', '.join(SECTIONS)}")
+    return data
+
+
+def config_from_sources(json_data: Optional[dict], flags: dict, preset: Optional[str] = None,
+                        where: str = "config") -> RunConfig:
+    """Merge defaults, a preset, JSON sections and flag values (`section.field` keys) into a RunConfig."""
+    from ..models import get_preset
+
+    json_data = dict(json_data or {})
+    model_json = dict(json_data.get("model") or {})
+    preset = preset or model_json.pop("preset", None)
+    model_json.pop("preset", None)
+    cfg = RunConfig()
+    if preset:
+        cfg.model = get_preset(preset)
+        cfg.preset = preset
+    for section in SECTIONS:
+        values = model_json if section == "model" else json_data.get(section) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}: section {section!r} must be an object")
+        _apply(getattr(cfg, section), values, f"{where}: {section}")
+    by_section: dict = {}
+    for dest, value in flags.items():
+        section, name = dest.split(".", 1)
+        by_section.setdefault(section, {})[name] = value
+    for section, values in by_section.items():
+        _apply(getattr(cfg, section), values, "flags")
+    return cfg
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse the command line into a RunConfig (not yet validated against a world size)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    given = vars(ns)
+    flags = {k: v for k, v in given.items() if "." in k}
+    json_data = load_json(given["config"]) if "config" in given else None
+    try:
+        cfg = config_from_sources(json_data, flags, preset=given.get("model"),
+                                  where=given.get("config", "config"))
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg, ns
+
+
+def config_to_json(cfg: RunConfig) -> str:
+    """The resolved configuration as JSON text (what config.json in the run directory holds)."""
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
+def dump_flags(cfg: RunConfig) -> list[str]:
+    """The flags that reproduce `cfg` (handy for launch scripts and tests)."""
+    out: list[str] = []
+    if cfg.preset:
+        out += ["--model", cfg.preset]
+    for section in SECTIONS:
+        for f in dataclasses.fields(type(getattr(cfg, section))):
+            value: Any = getattr(getattr(cfg, section), f.name)
+            if value is None:
+                continue
+            name = flag_name(section, f.name)
+            if isinstance(value, bool):
+                out.append(name if value else "--no-" + name[2:])
+            else:
+                out += [name, str(value)]
+    return out

@@ -1,0 +1,74 @@
+"""The whole run's configuration: sections, cross-section checks, the resolved layout."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..topology import Layout, make_layout
+from .data import DataConfig
+from .model import ModelConfig
+from .parallel import FederationConfig, ParallelConfig
+from .training import TrainingConfig
+
+SECTIONS = ("model", "parallel", "federation", "training", "data")
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs, grouped by section (the JSON config has the same sections)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    preset: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        """Plain-JSON form; loading it back gives the same configuration."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["model"]["preset"] = self.preset
+        return out
+
+    def layout(self, world_size: int, local_world_size: Optional[int] = None) -> Layout:
+        """Resolve and validate the rank layout for `world_size` ranks."""
+        ranks_per_node = self.parallel.ranks_per_node or local_world_size
+        return make_layout(world_size, ranks_per_node=ranks_per_node,
+                           group_size=self.federation.group_size, num_groups=self.federation.num_groups,
+                           shard_size=self.federation.hsdp_shard_size)
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step, from --global-batch-size or --gradient-accumulation-steps."""
+        t = self.training
+        per_micro = t.micro_batch_size * world_size
+        if t.global_batch_size is None:
+            return t.gradient_accumulation_steps or 1
+        if t.global_batch_size % per_micro:
+            raise ValueError(
+                f"global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size "
+                f"({t.micro_batch_size}) x world size ({world_size}) = {per_micro}; valid values are "
+                f"{per_micro}, {2 * per_micro}, {3 * per_micro}, ...")
+        steps = t.global_batch_size // per_micro
+        if t.gradient_accumulation_steps is not None and t.gradient_accumulation_steps != steps:
+            raise ValueError(
+                f"global_batch_size={t.global_batch_size} means {steps} accumulation steps with "
+                f"micro_batch_size={t.micro_batch_size} on {world_size} ranks, but "
+                f"gradient_accumulation_steps={t.gradient_accumulation_steps} was given")
+        return steps
+
+    def validate(self, world_size: int, local_world_size: Optional[int] = None) -> Layout:
+        """Check every section and their combination for `world_size` ranks; return the layout."""
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        self.federation.validate()
+        layout = self.layout(world_size, local_world_size)
+        self.accumulation_steps(world_size)
+        t, m = self.training, self.model
+        if t.seq_length > m.max_position_embeddings:
+            raise ValueError(f"seq_length={t.seq_length} exceeds the model's max_position_embeddings="
+                             f"{m.max_position_embeddings}")
+        if m.vocab_size < self.data.tokenizer_vocab_size:
+            raise ValueError(f"vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                             f"tokenizer_vocab_size={self.data.tokenizer_vocab_size}: token ids would "
+                             f"fall outside the embedding")
+        return layout

@@ -1,0 +1,233 @@
+"""Communication and memory estimates for FL+FSDP / FL+HSDP layouts (pure Python).
+
+Volumes are per rank, for ring algorithms over a group of k ranks holding Psi elements:
+all-gather and reduce-scatter move Psi*(k-1)/k, all-reduce 2*Psi*(k-1)/k.
+
+Each collective has a SCOPE -- "inter-group" for the federation all-reduce over peer groups,
+"intra-group" otherwise -- and a TIER -- "intra-node" when every process group of that kind
+lies on one node, "inter-node" when any of them spans nodes.
+Collectives over single-rank groups move nothing and are left out.
+"""
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Dict, List, Optional, Tuple
+
+from fl_megatron.topology import (Layout, peer_groups, replica_groups, shard_groups,
+                                  spans_nodes)
+
+INTRA_GROUP, INTER_GROUP = "intra-group", "inter-group"
+INTRA_NODE, INTER_NODE = "intra-node", "inter-node"
+SCOPES = (INTRA_GROUP, INTER_GROUP)
+TIERS = (INTRA_NODE, INTER_NODE)
+
+_GROUPS = MappingProxyType({"shard": shard_groups, "replica": replica_groups,
+                             "peer": peer_groups})
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as seen by one rank.
+
+    name: what it does; op: all_gather / reduce_scatter / all_reduce; group: the process
+    group kind (shard, replica, peer) and group_size its rank count; elements and bytes
+    are sent per rank; bytes_per_element is the dtype size used.
+    """
+
+    name: str
+    op: str
+    group: str
+    group_size: int
+    scope: str
+    tier: str
+    elements: float
+    bytes_per_element: int
+
+    @property
+    def bytes(self) -> float:
+        return self.elements * self.bytes_per_element
+
+
+@dataclass(frozen=True)
+class CommBreakdown:
+    """Collectives of one optimizer step or one federation sync, per rank."""
+
+    entries: Tuple[Collective, ...] = ()
+
+    @property
+    def total_elements(self) -> float:
+        return sum(c.elements for c in self.entries)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(c.bytes for c in self.entries)
+
+    @property
+    def bytes_by_scope(self) -> Dict[str, float]:
+        """{"intra-group": ..., "inter-group": ...} bytes per rank."""
+        return {scope: sum(c.bytes for c in self.entries if c.scope == scope)
+                for scope in SCOPES}
+
+    @property
+    def bytes_by_tier(self) -> Dict[str, float]:
+        """{"intra-node": ..., "inter-node": ...} bytes per rank."""
+        return {tier: sum(c.bytes for c in self.entries if c.tier == tier) for tier in TIERS}
+
+    def by_name(self, name: str) -> Collective:
+        """The entry called `name` (KeyError if absent)."""
+        for entry in self.entries:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no collective {name!r}; have {[c.name for c in self.entries]}")
+
+
+def group_tier(layout: Layout, group: str) -> str:
+    """inter-node if any process group of this kind spans nodes, else intra-node."""
+    groups = _GROUPS[group](layout)
+    return INTER_NODE if any(spans_nodes(layout, ranks) for ranks in groups) else INTRA_NODE
+
+
+def ring_volume(op: str, elements: float, ranks: int) -> float:
+    """Elements sent per rank by a ring collective over `ranks` ranks on `elements` data."""
+    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[op]
+    return factor * elements * (ranks - 1) / ranks
+
+
+def _collective(layout: Layout, name: str, op: str, group: str, ranks: int,
+                elements: float, bytes_per_element: int) -> List[Collective]:
+    """A one-entry list, or [] for a single-rank group (nothing moves)."""
+    if ranks <= 1:
+        return []
+    scope = INTER_GROUP if group == "peer" else INTRA_GROUP
+    return [Collective(name, op, group, ranks, scope, group_tier(layout, group),
+                       ring_volume(op, elements, ranks), bytes_per_element)]
+
+
+def _check_params(num_params: int) -> None:
+    if num_params < 0:
+        raise ValueError(f"num_params={num_params} must be >= 0")
+
+
+def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
+              grad_bytes: int = 4, micro_batches: int = 1) -> CommBreakdown:
+    """Per-rank traffic of one optimizer step of `micro_batches` forward/backward passes.
+
+    The parameter all-gathers repeat for every micro-batch; gradients are reduced once.
+
+    Shard group (S): all-gather params for forward and backward (param_bytes) and
+    reduce-scatter gradients (grad_bytes): 3*Psi*(S-1)/S elements. HSDP adds an
+    all-reduce of the Psi/S gradient shard over the P replicas: 2*(Psi/S)*(P-1)/P.
+    """
+    _check_params(num_params)
+    s, p = layout.shard_size, layout.replicas
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    entries = (_collective(layout, "all_gather_forward", "all_gather", "shard", s,
+                           micro_batches * num_params, param_bytes)
+               + _collective(layout, "all_gather_backward", "all_gather", "shard", s,
+                             micro_batches * num_params, param_bytes)
+               + _collective(layout, "reduce_scatter_grads", "reduce_scatter", "shard", s,
+                             num_params, grad_bytes)
+               + _collective(layout, "all_reduce_grads_replicas", "all_reduce", "replica", p,
+                             num_params / s, grad_bytes))
+    return CommBreakdown(tuple(entries))
+
+
+def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
+              replica_split: bool = True) -> CommBreakdown:
+    """Per-rank traffic of one federation average over the F groups (fp32 master shards).
+
+    FSDP: all-reduce of the Psi/G shard over the peer group: 2*(Psi/G)*(F-1)/F.
+    HSDP naive: every replica all-reduces its Psi/S shard: 2*(Psi/S)*(F-1)/F.
+    HSDP with replica_split: each replica averages a 1/P slice, 2*(Psi/(S*P))*(F-1)/F,
+    then the replica group all-gathers the slices: (Psi/S)*(P-1)/P.
+    """
+    _check_params(num_params)
+    f, p, s = layout.num_groups, layout.replicas, layout.shard_size
+    if f <= 1:
+        return CommBreakdown()
+    split = replica_split and p > 1
+    shard = num_params / s
+    entries = _collective(layout, "all_reduce_peers", "all_reduce", "peer", f,
+                          shard / p if split else shard, master_bytes)
+    if split:
+        entries += _collective(layout, "all_gather_replica_slices", "all_gather", "replica",
+                               p, shard, master_bytes)
+    return CommBreakdown(tuple(entries))
+
+
+def average_per_step(layout: Layout, num_params: int, sync_interval: int,
+                     param_bytes: int = 2, grad_bytes: int = 4, master_bytes: int = 4,
+                     replica_split: bool = True, micro_batches: int = 1) -> Dict[str, float]:
+    """Per-rank bytes per optimizer step, the sync amortised over sync_interval (H) steps.
+
+    H = 0 means no federation sync. Keys: "total", the tiers ("intra-node",
+    "inter-node"), the scopes ("intra-group", "inter-group"), "step" and "sync".
+    """
+    if sync_interval < 0:
+        raise ValueError(f"sync_interval={sync_interval} must be >= 0 (0: no sync)")
+    step = step_comm(layout, num_params, param_bytes, grad_bytes, micro_batches)
+    sync = (sync_comm(layout, num_params, master_bytes, replica_split) if sync_interval
+            else CommBreakdown())
+    weight = 1 / sync_interval if sync_interval else 0.0
+    out = {key: step.bytes_by_tier[key] + weight * sync.bytes_by_tier[key] for key in TIERS}
+    out.update({key: step.bytes_by_scope[key] + weight * sync.bytes_by_scope[key]
+                for key in SCOPES})
+    out.update(step=step.total_bytes, sync=weight * sync.total_bytes,
+               total=step.total_bytes + weight * sync.total_bytes)
+    return out
+
+
+_OPTIMIZER_STATE_BYTES = MappingProxyType({"adamw": 8, "adam": 8, "sgd": 0})
+
+
+def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
+                             hidden_size: int, seq_length: int, micro_batch_size: int,
+                             vocab_size: int, num_attention_heads: int, bf16: bool = True,
+                             optimizer: str = "adamw",
+                             largest_layer_params: Optional[int] = None,
+                             flash_attention: bool = True) -> Dict[str, float]:
+    """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
+
+    Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
+    state (AdamW 8 B/param, SGD 0). Unsharded: two working copies of the largest layer
+    (default: max of a transformer block, 12h^2 + 13h, and the vocab x h embedding) and
+    activations without recomputation (Korthikanti et al. 2022):
+    seq*micro*h*(34 + 5*heads*seq/h) bytes per layer in bf16 (the 5*heads*seq/h score term
+    is dropped with flash_attention, as the models use fused attention), doubled for fp32, plus
+    fp32 logits and their gradient (seq*micro*vocab*4*2).
+    Keys: master_params, gradients, optimizer_states, working_params, activations,
+    logits, total.
+    """
+    _check_params(num_params)
+    opt = optimizer.lower()
+    if opt not in _OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer={optimizer!r} unknown; use one of "
+                         f"{', '.join(sorted(_OPTIMIZER_STATE_BYTES))}")
+    s, h = layout.shard_size, hidden_size
+    param_bytes = 2 if bf16 else 4
+    if largest_layer_params is None:
+        largest_layer_params = max(12 * h * h + 13 * h, vocab_size * h)
+    # Fused attention (SDPA flash / memory-efficient kernels) never stores the s x s scores.
+    scores = 0 if flash_attention else 5 * num_attention_heads * seq_length / h
+    per_layer = seq_length * micro_batch_size * h * (34 + scores)
+    parts = {
+        "master_params": 4 * num_params / s,
+        "gradients": 4 * num_params / s,
+        "optimizer_states": _OPTIMIZER_STATE_BYTES[opt] * num_params / s,
+        "working_params": 2 * largest_layer_params * param_bytes,
+        "activations": per_layer * num_layers * (1 if bf16 else 2),
+        "logits": seq_length * micro_batch_size * vocab_size * 4 * 2,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. "15.3 GiB" ("512 B" below 1 KiB)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    value, unit = abs(float(n)), 0
+    while value >= 1024 and unit < len(units) - 1:
+        value, unit = value / 1024, unit + 1
+    sign = "-" if n < 0 else ""
+    return f"{sign}{value:.0f} B" if unit == 0 else f"{sign}{value:.1f} {units[unit]}"

@@ -1,0 +1,110 @@
+"""SentencePiece tokenizer wrapper and a deterministic, atomic trainer."""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import sentencepiece as spm
+
+# Longest training "sentence" (one line of a document), in bytes.
+_MAX_LINE_BYTES = 4096
+# Upper bound on the number of training lines SentencePiece loads.
+_MAX_TRAIN_LINES = 1_000_000
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a unique temp file and ``os.replace``.
+
+    Readers see either the old file or the complete new one, never a partial
+    write; concurrent writers of identical content are harmless.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; cached files are shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Tokenizer:
+    """Thin wrapper over a SentencePiece model; the EOD token is the model's EOS."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor):
+        self._sp = processor
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        """Load a ``.model`` file."""
+        return cls(spm.SentencePieceProcessor(model_file=str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces, including control and byte pieces."""
+        return self._sp.get_piece_size()
+
+    @property
+    def eod_id(self) -> int:
+        """Id appended after every document."""
+        return self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        """Token ids of several texts."""
+        return self._sp.encode(texts, out_type=int, num_threads=num_threads)
+
+    def decode(self, ids) -> str:
+        """Text of token ids (control ids such as EOD decode to '')."""
+        return self._sp.decode([int(i) for i in ids])
+
+
+def _training_lines(documents):
+    """Non-empty lines of the documents, each cut to ``_MAX_LINE_BYTES``."""
+    for doc in documents:
+        for line in doc.split("\n"):
+            if line.strip():
+                yield line.encode("utf-8")[:_MAX_LINE_BYTES].decode("utf-8", "ignore")
+
+
+def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, model_type: str = "bpe") -> Path:
+    """Train a byte-fallback SentencePiece model on ``documents``; write it atomically.
+
+    Settings are chosen for an exact ``decode(encode(x)) == x`` round trip
+    (identity normalisation, whitespace kept, newline as its own piece) and a
+    reproducible result (one thread, no input shuffling or sampling).
+    """
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_training_lines(documents),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=True,
+        character_coverage=0.9995,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        user_defined_symbols=["\n"],
+        max_sentence_length=_MAX_LINE_BYTES * 4,
+        input_sentence_size=_MAX_TRAIN_LINES,
+        shuffle_input_sentence=False,
+        num_threads=1,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        minloglevel=2,
+    )
+    atomic_write_bytes(model_path, model.getvalue())
+    return Path(model_path)

@@ -1,0 +1,142 @@
+"""FedAvg of local shards across peer groups, bucketed and pipelined, never gathering the model.
+
+Each rank averages its own shards with the same shards of the other federation groups. With
+HSDP replica split the P replicas of a group hold identical shards, so replica r averages only
+slice r of every piece across groups and the replicas then all-gather the slices: inter-group
+payload per rank drops by P. Results are written in place into the shards.
+"""
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .chunks import Chunk, plan_chunks
+from .ledger import CommLedger
+
+MAX_PACKED_IN_FLIGHT = 2  # packed bucket buffers alive at once (double buffering)
+
+
+@dataclass
+class SyncStats:
+    """What one average moved and measured on this rank."""
+
+    inter_group_bytes: int = 0
+    intra_group_bytes: int = 0
+    collectives: int = 0
+    sq_dev_sum: float = 0.0      # sum over sampled elements of (own value - average)^2
+    sq_mean_sum: float = 0.0     # sum over sampled elements of average^2
+    samples: int = 0
+
+
+@dataclass
+class _InFlight:
+    chunk: Chunk
+    buffer: torch.Tensor          # the piece (in place) or a packed bucket buffer
+    region: torch.Tensor          # the part of `buffer` this rank averages across groups
+    valid: int                    # elements of `region` that are real data (not padding)
+    stride: int                   # sampling stride for the variance metric
+    sample: torch.Tensor          # own values of region[:valid:stride], before averaging
+    work: Optional[dist.Work] = field(default=None)
+
+
+class ShardAverager:
+    """Averages a list of shards across the peer group (and, with replica split, the replicas)."""
+
+    def __init__(self, peer_group, num_groups: int, *, replica_group=None, replicas: int = 1,
+                 replica_index: int = 0, replica_split: bool = True, bucket_bytes: int = 32 << 20,
+                 max_samples: int = 1 << 20, ledger: Optional[CommLedger] = None,
+                 peer_tier: str = "inter-node", replica_tier: str = "intra-node") -> None:
+        if num_groups < 1 or replicas < 1 or not 0 <= replica_index < replicas:
+            raise ValueError(f"num_groups={num_groups}, replicas={replicas}, "
+                             f"replica_index={replica_index} are inconsistent")
+        if replicas > 1 and replica_split and replica_group is None:
+            raise ValueError("replica split needs the replica process group")
+        self.peer_group = peer_group
+        self.num_groups = num_groups
+        self.replica_group = replica_group
+        self.split = replicas if (replica_split and replicas > 1) else 1
+        self.replica_index = replica_index if self.split > 1 else 0
+        self.bucket_bytes = int(bucket_bytes)
+        self.max_samples = max_samples
+        self.ledger = ledger
+        self.peer_tier, self.replica_tier = peer_tier, replica_tier
+
+    def plan(self, shards: list[torch.Tensor]) -> list[Chunk]:
+        """How `shards` are cut into collectives (same on every rank of a peer group)."""
+        itemsize = shards[0].element_size() if shards else 4
+        return plan_chunks([s.numel() for s in shards], max(self.bucket_bytes // itemsize, self.split),
+                           replicas=self.split)
+
+    @torch.no_grad()
+    def average(self, shards: list[torch.Tensor]) -> SyncStats:
+        """Replace every shard by its average over the federation groups, in place."""
+        for i, s in enumerate(shards):
+            if not s.is_contiguous():
+                raise ValueError(f"shard {i} is not contiguous; the backend must hand out contiguous shards")
+        if shards and len({s.dtype for s in shards}) != 1:
+            raise ValueError(f"shards have mixed dtypes {sorted({str(s.dtype) for s in shards})}")
+        stats = SyncStats()
+        flats = [s.view(-1) for s in shards]
+        chunks = self.plan(shards)
+        own = sum(c.padded_length(self.split) for c in chunks) // self.split
+        stride = max(1, math.ceil(own / self.max_samples))
+        pending: deque[_InFlight] = deque()
+        packed_alive = 0
+        for chunk in chunks:
+            if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
+                packed_alive -= self._finish(pending.popleft(), flats, stats)
+            pending.append(self._start(chunk, flats, stride, stats))
+            packed_alive += not chunk.inplace
+        while pending:
+            self._finish(pending.popleft(), flats, stats)
+        return stats
+
+    def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats) -> _InFlight:
+        if chunk.inplace:
+            seg = chunk.segments[0]
+            buffer = flats[seg.index].narrow(0, seg.start, seg.length)
+        else:
+            buffer = flats[chunk.segments[0].index].new_zeros(chunk.padded_length(self.split))
+            torch.cat([flats[s.index].narrow(0, s.start, s.length) for s in chunk.segments],
+                      out=buffer.narrow(0, 0, chunk.length))
+        part = buffer.numel() // self.split
+        start = self.replica_index * part
+        region = buffer.narrow(0, start, part)
+        valid = max(0, min(part, chunk.length - start))
+        sample = region[:valid:stride].clone()
+        work = dist.all_reduce(region, op=dist.ReduceOp.AVG, group=self.peer_group, async_op=True)
+        nbytes = region.numel() * region.element_size()
+        stats.inter_group_bytes += nbytes
+        stats.collectives += 1
+        if self.ledger is not None:
+            self.ledger.add("inter-group", self.peer_tier, nbytes)
+        return _InFlight(chunk, buffer, region, valid, stride, sample, work)
+
+    def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats) -> int:
+        """Complete one piece; returns 1 if it freed a packed buffer."""
+        item.work.wait()
+        averaged = item.region[:item.valid:item.stride]
+        stats.sq_dev_sum += float((item.sample.double() - averaged.double()).pow(2).sum())
+        stats.sq_mean_sum += float(averaged.double().pow(2).sum())
+        stats.samples += item.sample.numel()
+        if self.split > 1:
+            dist.all_gather_into_tensor(item.buffer, item.region, group=self.replica_group)
+            nbytes = item.region.numel() * item.region.element_size()
+            stats.intra_group_bytes += nbytes
+            stats.collectives += 1
+            if self.ledger is not None:
+                self.ledger.add("intra-group", self.replica_tier, nbytes)
+        if not item.chunk.inplace:
+            offset = 0
+            views, targets = [], []
+            for seg in item.chunk.segments:
+                views.append(item.buffer.narrow(0, offset, seg.length))
+                targets.append(flats[seg.index].narrow(0, seg.start, seg.length))
+                offset += seg.length
+            torch._foreach_copy_(targets, views)
+            return 1
+        return 0

@@ -1,0 +1,54 @@
+"""The process groups of one rank, built as a (federation, replica, shard) device mesh."""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..topology import MESH_DIM_NAMES, Layout, coords, mesh_shape, peer_groups, replica_groups, shard_groups, spans_nodes
+
+
+@dataclass
+class ProcessGroups:
+    """A rank's view of the layout: the world mesh and the groups the engine and backends use."""
+
+    layout: Layout
+    rank: int
+    mesh: DeviceMesh
+    shard_mesh: DeviceMesh
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """(federation group, replica index, shard index) of this rank."""
+        return coords(self.layout, self.rank)
+
+    @property
+    def peer(self) -> dist.ProcessGroup:
+        """This rank and the ranks holding the same shard in every other federation group."""
+        return self.mesh.get_group(MESH_DIM_NAMES[0])
+
+    @property
+    def replica(self) -> dist.ProcessGroup:
+        """The HSDP replicas of this rank's shard inside its federation group."""
+        return self.mesh.get_group(MESH_DIM_NAMES[1])
+
+    def tier(self, kind: str) -> str:
+        """'inter-node' if this rank's `kind` group ('peer', 'replica' or 'shard') spans nodes."""
+        lists = {"peer": peer_groups, "replica": replica_groups, "shard": shard_groups}[kind](self.layout)
+        mine = next(g for g in lists if self.rank in g)
+        return "inter-node" if spans_nodes(self.layout, mine) else "intra-node"
+
+
+def build_process_groups(layout: Layout, device_type: str) -> ProcessGroups:
+    """Create every group on every rank (collective: all ranks call it in the same order).
+
+    The sharding mesh is 1-D (shard) for FSDP inside the group and 2-D (replica, shard) for HSDP.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"the layout is for {layout.world_size} ranks but the job has "
+                         f"{dist.get_world_size()}")
+    mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIM_NAMES)
+    shard_mesh = mesh[MESH_DIM_NAMES[1:]] if layout.is_hsdp else mesh[MESH_DIM_NAMES[2]]
+    return ProcessGroups(layout=layout, rank=dist.get_rank(), mesh=mesh, shard_mesh=shard_mesh)

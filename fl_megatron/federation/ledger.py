@@ -1,0 +1,80 @@
+"""Counting the payload bytes a run's collectives send, by scope and by network tier.
+
+Payload bytes of one collective on one rank = the bytes of the data this rank hands to it:
+the tensor of an all-reduce, the input shard of an all-gather, the full input of a
+reduce-scatter. (Bytes on the wire depend on the algorithm; `fl_megatron.costs` has the
+ring formulas.) Scalars for logging and metrics are not counted.
+"""
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SCOPES = ("intra-group", "inter-group")
+TIERS = ("intra-node", "inter-node")
+
+
+class CommLedger:
+    """Cumulative payload bytes of one rank, split by scope and by tier."""
+
+    def __init__(self) -> None:
+        self.by_scope = Counter({scope: 0 for scope in SCOPES})
+        self.by_tier = Counter({tier: 0 for tier in TIERS})
+
+    def add(self, scope: str, tier: str, nbytes: int) -> None:
+        if scope not in SCOPES or tier not in TIERS:
+            raise ValueError(f"unknown scope {scope!r} or tier {tier!r}")
+        self.by_scope[scope] += int(nbytes)
+        self.by_tier[tier] += int(nbytes)
+
+    def snapshot(self) -> dict:
+        """Plain dict of the totals so far."""
+        return {"intra_group_bytes": self.by_scope["intra-group"],
+                "inter_group_bytes": self.by_scope["inter-group"],
+                "intra_node_bytes": self.by_tier["intra-node"],
+                "inter_node_bytes": self.by_tier["inter-node"]}
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+# c10d operator -> index of the argument holding this rank's payload.
+_PAYLOAD_ARG = {
+    "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0,
+    "_allgather_base_": 1, "allgather_": 1, "allgather_into_tensor_coalesced_": 1,
+    "allgather_coalesced_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_": 1,
+    "reduce_scatter_tensor_coalesced_": 1, "alltoall_": 1, "alltoall_base_": 1,
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the c10d collectives issued while active: calls and payload bytes per operator.
+
+    Every op of the step passes through Python while it is active, so use it to measure a
+    step once (calibration) or in tests, not on every step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.payload: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace = getattr(func, "namespace", "")
+        if namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            self.calls[name] += 1
+            index = _PAYLOAD_ARG.get(name)
+            if index is not None and index < len(args):
+                self.payload[name] += _tensor_bytes(args[index])
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.payload.values())

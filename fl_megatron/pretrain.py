@@ -1,0 +1,55 @@
+"""Command line: `torchrun --nproc-per-node N -m fl_megatron.pretrain [flags]`.
+
+`--dry-run` validates and plans in one process, for any --world-size, without starting anything.
+"""
+
+import os
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .config.flags import parse_args
+    from .training.launch import read_launch_env
+
+    cfg, ns = parse_args(argv)
+    env = read_launch_env()
+    dry_run = getattr(ns, "dry_run", False)
+    world = env.world_size
+    if cfg.parallel.world_size is not None:
+        if not dry_run and cfg.parallel.world_size != env.world_size:
+            return _fail(f"--world-size {cfg.parallel.world_size} does not match the launcher's "
+                         f"WORLD_SIZE={env.world_size}")
+        world = cfg.parallel.world_size
+    local_world = None if dry_run and cfg.parallel.world_size else env.local_world_size
+    if dry_run and cfg.parallel.ranks_per_node is None and "LOCAL_WORLD_SIZE" not in os.environ:
+        local_world = None
+    try:
+        layout = cfg.validate(world, local_world)
+        accum = cfg.accumulation_steps(world)
+    except ValueError as e:
+        return _fail(str(e))
+    if dry_run:
+        from .training.dry_run import dry_run_report
+        print(dry_run_report(cfg, layout, accum))
+        return 0
+    from .training.trainer import Trainer
+    import torch.distributed as dist
+
+    trainer = Trainer(cfg, env, layout)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"fl_megatron.pretrain: error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""--dry-run: validate a configuration for any world size and print what the run would cost.
+
+Runs in one process with no GPU and no process group: parameter count on the meta device,
+per-rank memory estimate and communication per step and per sync from the formulas in
+`fl_megatron.costs`.
+"""
+
+from ..config import RunConfig
+from ..costs import average_per_step, estimate_memory_per_rank, format_bytes, step_comm, sync_comm
+from ..models import build_model
+from ..topology import Layout
+
+
+def _breakdown_lines(title: str, breakdown) -> list[str]:
+    lines = [f"  {title}:"]
+    if not breakdown.entries:
+        return lines + ["    nothing moves"]
+    for c in breakdown.entries:
+        lines.append(f"    {c.name:<28} {c.op:<14} over {c.group_size:>4} ranks ({c.group:<7}) "
+                     f"{c.scope:<11} {c.tier:<10} {format_bytes(c.bytes):>10}")
+    tiers = breakdown.bytes_by_tier
+    lines.append(f"    total per rank: {format_bytes(breakdown.total_bytes)} "
+                 f"(intra-node {format_bytes(tiers['intra-node'])}, inter-node {format_bytes(tiers['inter-node'])})")
+    return lines
+
+
+def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
+    """The text --dry-run prints."""
+    m, t, fed = cfg.model, cfg.training, cfg.federation
+    model = build_model(m, "meta")
+    num_params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in block.parameters()) for block in model.layers)
+    root = num_params - sum(sum(p.numel() for p in b.parameters()) for b in model.layers)
+    param_bytes = 2 if t.bf16 else 4
+    memory = estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
+                                      t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
+                                      optimizer=t.optimizer, largest_layer_params=max(largest, root))
+    h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
+    per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=4, micro_batches=accum)
+    sync = sync_comm(layout, num_params, master_bytes=4, replica_split=fed.replica_split)
+    amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=4,
+                                 master_bytes=4, replica_split=fed.replica_split,
+                                 micro_batches=accum)
+    per_rank_batch = t.micro_batch_size * accum
+    lines = [
+        "fl-megatron dry run (no processes started)",
+        *("  " + line for line in layout.describe().splitlines()),
+        f"  model: {cfg.preset or m.arch}, {num_params:,} parameters ({m.num_layers} layers, hidden "
+        f"{m.hidden_size}, ffn {m.ffn_hidden_size}, heads {m.num_attention_heads}/{m.kv_heads} kv, vocab {m.vocab_size})",
+        f"  batch: micro {t.micro_batch_size} x {accum} accumulation = {per_rank_batch} samples per rank, "
+        f"{per_rank_batch * layout.group_size} per group step, {per_rank_batch * layout.world_size} over all ranks "
+        f"({per_rank_batch * layout.world_size * t.seq_length:,} tokens per step)",
+        f"  federation: " + (f"average every {h} steps" if h else "no averaging")
+        + (f", {'replica split' if fed.replica_split else 'naive'} HSDP averaging" if layout.is_hsdp and h else ""),
+        "",
+        f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}):",
+        *(f"    {k:<18} {format_bytes(v):>10}" for k, v in memory.items()),
+        "",
+        "  communication per rank (ring formulas, payload on the wire):",
+        *_breakdown_lines(f"per optimizer step ({accum} micro-batch{'es' if accum > 1 else ''})", per_step),
+        *_breakdown_lines("per federation sync", sync if h else type(sync)()),
+        f"  per optimizer step, sync amortised over H={h}: intra-node {format_bytes(amortised['intra-node'])}, "
+        f"inter-node {format_bytes(amortised['inter-node'])}",
+    ]
+    return "\n".join(lines)

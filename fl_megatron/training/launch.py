@@ -1,0 +1,65 @@
+"""Joining the job: ranks from the launcher's environment, device choice, process-group init."""
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher (torchrun, srun, ...) says."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+
+def _int_env(names: tuple[str, ...], default: int | None) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return default
+
+
+def read_launch_env() -> LaunchEnv:
+    """Ranks from torchrun's variables, or SLURM's under srun; a single process otherwise."""
+    rank = _int_env(("RANK", "SLURM_PROCID"), 0)
+    world = _int_env(("WORLD_SIZE", "SLURM_NTASKS"), 1)
+    local_rank = _int_env(("LOCAL_RANK", "SLURM_LOCALID"), 0)
+    local_world = _int_env(("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), None)
+    if local_world is None:
+        local_world = world
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world} ranks (check RANK / WORLD_SIZE)")
+    return LaunchEnv(rank, world, local_rank, local_world)
+
+
+def init_distributed(env: LaunchEnv, timeout_minutes: float) -> None:
+    """Create the default process group: NCCL on GPUs, gloo on CPU; one process needs no launcher."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    device = env.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)

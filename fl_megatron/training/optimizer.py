@@ -1,0 +1,31 @@
+"""The inner optimiser of a federation group (its state is never averaged across groups)."""
+
+import torch
+from torch import nn
+
+from ..config.training import TrainingConfig
+
+
+def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD; weight decay applies to matrices only (not to norms, biases)."""
+    decay, no_decay = [], []
+    for _, param in named_params:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def count_trainable(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

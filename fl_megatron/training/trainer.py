@@ -1,0 +1,244 @@
+"""The training loop: build everything from the config, train, sync, evaluate, report."""
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..backends import make_backend
+from ..config import RunConfig
+from ..config.flags import config_to_json
+from ..data import BatchSource, SampleOrder, TokenSamples, eval_batches, prepare_demo_data
+from ..federation import CollectiveCounter, CommLedger, FederationEngine, build_process_groups
+from ..topology import Layout
+from .console import format_duration, progress_line, say
+from .launch import LaunchEnv, init_distributed
+from .lr_schedule import learning_rate
+from .memory import peak_memory_bytes, peak_memory_kind
+from .optimizer import build_optimizer, set_learning_rate
+from .run_files import RunFiles
+
+
+def default_cache_dir() -> Path:
+    import os
+    return Path(os.environ.get("FL_MEGATRON_CACHE") or Path.home() / ".cache" / "fl-megatron")
+
+
+@dataclass
+class _Calibrated:
+    """Payload bytes of a repeated piece of work (a training step, an evaluation), measured once."""
+
+    by_tier: Optional[dict] = None
+
+
+class Trainer:
+    """One rank's training run. Construct after the config was validated for this world."""
+
+    def __init__(self, cfg: RunConfig, env: LaunchEnv, layout: Layout) -> None:
+        self.cfg, self.env, self.layout = cfg, env, layout
+        self.is_writer = env.rank == 0
+        t = cfg.training
+        self.accum = cfg.accumulation_steps(env.world_size)
+        init_distributed(env, cfg.parallel.distributed_timeout_minutes)
+        self.device = env.device
+        self.files = RunFiles(t.run_dir, self.is_writer)
+        self.files.write_config(config_to_json(cfg))
+        self._banner()
+        torch.manual_seed(t.seed)
+        self.train_source, self.valid_samples = self._load_data()
+        self.groups = build_process_groups(layout, self.device.type)
+        self.backend = make_backend(cfg.parallel.backend, cfg.model, self.groups, self.device,
+                                    seed=t.seed, bf16=t.bf16)
+        self.optimizer = build_optimizer(self.backend.model.named_parameters(), t)
+        self.ledger = CommLedger()
+        self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
+        self._step_traffic = _Calibrated()
+        self._eval_traffic = _Calibrated()
+
+    # --- set-up ---------------------------------------------------------------------------
+    def _banner(self) -> None:
+        from ..models import count_parameters
+        c, t, lay = self.cfg, self.cfg.training, self.layout
+        per_rank = t.micro_batch_size * self.accum
+        fed = c.federation
+        sync = (f"every {fed.sync_interval} steps and at the end" if fed.syncing and lay.is_federated
+                else "never (single group)" if not lay.is_federated else "disabled")
+        lines = [
+            "fl-megatron pretrain",
+            *("  " + line for line in lay.describe().splitlines()),
+            f"  model: {c.preset or c.model.arch} ({count_parameters(c.model):,} parameters), "
+            f"backend {c.parallel.backend} on {self.device.type}, {'bf16' if t.bf16 else 'fp32'}",
+            f"  batch: {t.micro_batch_size} x {self.accum} micro-batches per rank, "
+            f"{per_rank * lay.group_size} samples per group step, {per_rank * lay.world_size} over all "
+            f"ranks, seq {t.seq_length}",
+            f"  federation average: {sync}"
+            + (f" ({'replica split' if fed.replica_split else 'naive'} HSDP averaging)" if lay.is_hsdp and lay.is_federated else ""),
+            f"  {t.train_iters} steps of {t.optimizer}, lr {t.lr:g} ({t.lr_decay_style}, warm-up {t.lr_warmup_iters}), "
+            f"run dir {t.run_dir}",
+        ]
+        say("\n".join(lines), self.is_writer)
+
+    def _load_data(self) -> tuple[BatchSource, TokenSamples]:
+        d, t = self.cfg.data, self.cfg.training
+        cache = Path(d.data_cache_dir) if d.data_cache_dir else default_cache_dir()
+        if self.is_writer:
+            prepare_demo_data(cache, d.tokenizer_vocab_size)  # builds the cache once
+        dist.barrier()
+        data = prepare_demo_data(cache, d.tokenizer_vocab_size)
+        train = TokenSamples(data.train_tokens, t.seq_length)
+        valid = TokenSamples(data.valid_tokens, t.seq_length)
+        order = SampleOrder(len(train), t.seed)
+        source = BatchSource(train, order, self.env.world_size, t.micro_batch_size, self.accum)
+        return source, valid
+
+    # --- one step -------------------------------------------------------------------------
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(self.device, non_blocking=True)
+        logits = self.backend.forward(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad norm)."""
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            self.backend.set_gradient_sync(micro == self.accum - 1)
+            loss = self._loss(self.train_source.micro_batch(self.env.rank, step, micro))
+            (loss / self.accum).backward()
+            total += loss.detach()
+        norm = self.backend.clip_grad_norm(self.cfg.training.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / self.accum, norm
+
+    def _measured(self, calibrated: _Calibrated, work):
+        """Run `work`; the first time under a collective counter, to learn its payload bytes."""
+        if calibrated.by_tier is not None:
+            result = work()
+        else:
+            with CollectiveCounter() as counter:
+                result = work()
+            calibrated.by_tier = self._classify(counter)
+        for tier, nbytes in calibrated.by_tier.items():
+            self.ledger.add("intra-group", tier, nbytes)
+        return result
+
+    def _classify(self, counter: CollectiveCounter) -> dict:
+        """Backend collectives stay inside the group: gathers and scatters on the shard group,
+        all-reduces on the replica group under HSDP (tiny norm reductions are counted with them)."""
+        shard_tier = self.groups.tier("shard")
+        replica_tier = self.groups.tier("replica") if self.layout.is_hsdp else shard_tier
+        out: dict = {}
+        for op, nbytes in counter.payload.items():
+            tier = replica_tier if op.startswith("allreduce") else shard_tier
+            out[tier] = out.get(tier, 0) + nbytes
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over all ranks: each group evaluates its own model on its ranks'
+        share of a fixed held-out set, so after a sync this is the averaged model's loss."""
+        t = self.cfg.training
+        batches = eval_batches(self.valid_samples, self.env.rank, self.env.world_size,
+                               t.micro_batch_size, t.eval_iters)
+
+        def work():
+            return torch.stack([self._loss(b) for b in batches]).mean()
+
+        loss = self._measured(self._eval_traffic, work).reshape(1)
+        dist.all_reduce(loss)
+        return float(loss) / self.env.world_size
+
+    # --- the loop -------------------------------------------------------------------------
+    def train(self) -> dict:
+        t = self.cfg.training
+        tokens_per_step = t.micro_batch_size * self.accum * t.seq_length * self.env.world_size
+        start = time.perf_counter()
+        interval_start, interval_steps = start, 0
+        last_loss = math.nan
+        evals: list[dict] = []
+        for step in range(t.train_iters):
+            done = step + 1
+            lr = learning_rate(step, t)
+            set_learning_rate(self.optimizer, lr)
+            loss, norm = self._measured(self._step_traffic, lambda: self._train_step(step))
+            sync = self.engine.after_step(done, last=done == t.train_iters)
+            interval_steps += 1
+            if done % t.log_interval == 0 or done == t.train_iters or sync is not None:
+                now = time.perf_counter()
+                stats = torch.stack([loss.float(), norm.float()]).detach()
+                dist.all_reduce(stats)
+                stats = (stats / self.env.world_size).tolist()
+                last_loss = stats[0]
+                record = {
+                    "step": done, "tokens": done * tokens_per_step, "loss": stats[0], "lr": lr,
+                    "grad_norm": stats[1],
+                    "tokens_per_s": interval_steps * tokens_per_step / max(now - interval_start, 1e-9),
+                    "synced": sync is not None,
+                    "sync_seconds": sync.seconds if sync else 0.0,
+                    **self.ledger.snapshot(),
+                }
+                if sync is not None:
+                    record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+                self.files.log(record)
+                eta = (now - start) / done * (t.train_iters - done)
+                say(progress_line(record, t.train_iters, eta), self.is_writer)
+                interval_start, interval_steps = now, 0
+            if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
+                evals.append(self._eval_record(done))
+        wall = time.perf_counter() - start
+        final_eval = self._eval_record(t.train_iters) if t.eval_iters else None
+        return self._summary(last_loss, final_eval, evals, wall, tokens_per_step)
+
+    def _eval_record(self, step: int) -> dict:
+        loss = self.evaluate()
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        self.files.log(record)
+        say(f"  eval at step {step}: loss {loss:.4f}, perplexity {record['eval_perplexity']:.2f}", self.is_writer)
+        return record
+
+    def _summary(self, last_loss: float, final_eval: Optional[dict], evals: list, wall: float,
+                 tokens_per_step: int) -> dict:
+        t = self.cfg.training
+        snapshot = self.ledger.snapshot()
+        keys = sorted(snapshot)
+        totals = torch.tensor([float(snapshot[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
+        peaks = [torch.zeros_like(peak) for _ in range(self.env.world_size)]
+        dist.all_gather(peaks, peak)
+        tokens = t.train_iters * tokens_per_step
+        summary = {
+            "final_train_loss": last_loss,
+            "eval_loss": final_eval["eval_loss"] if final_eval else None,
+            "eval_perplexity": final_eval["eval_perplexity"] if final_eval else None,
+            "evals": evals + ([final_eval] if final_eval else []),
+            "tokens": tokens,
+            "wall_seconds": wall,
+            "tokens_per_s": tokens / max(wall, 1e-9),
+            "bytes_per_rank_rank0": snapshot,
+            "bytes_all_ranks": {k: int(v) for k, v in zip(keys, totals.tolist())},
+            "peak_memory_bytes_per_rank": [int(p.item()) for p in peaks],
+            "peak_memory_kind": peak_memory_kind(self.device),
+            "last_sync_step": self.engine.last_synced_step,
+            "layout": {"world_size": self.layout.world_size, "ranks_per_node": self.layout.ranks_per_node,
+                       "group_size": self.layout.group_size, "num_groups": self.layout.num_groups,
+                       "hsdp_shard_size": self.layout.shard_size, "replicas": self.layout.replicas,
+                       "sync_interval": self.cfg.federation.sync_interval if self.engine.active else 0},
+        }
+        self.files.write_summary(summary)
+        say(f"done: {t.train_iters} steps in {format_duration(wall)}, {summary['tokens_per_s']:,.0f} tok/s, "
+            f"final train loss {last_loss:.4f}"
+            + (f", eval loss {summary['eval_loss']:.4f} (perplexity {summary['eval_perplexity']:.2f})"
+               if final_eval else "")
+            + f"\n  bytes per rank: intra-group {snapshot['intra_group_bytes'] / 2**20:,.1f} MiB, "
+              f"inter-group {snapshot['inter_group_bytes'] / 2**20:,.1f} MiB; summary in {self.files.dir / 'summary.json'}",
+            self.is_writer)
+        return summary
+
+    def close(self) -> None:
+        self.files.close()

@@ -1,0 +1,26 @@
+"""fl-megatron: federated sharded data parallelism for LLM pre-training."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fl-megatron",
+    version="0.1.0",
+    description="Federated sharded data parallelism (FL+FSDP, FL+HSDP) for pre-training LLMs "
+                "on clusters whose inter-node links are the bottleneck",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fl_megatron", "fl_megatron.*"]),
+    package_data={"fl_megatron.data": ["corpus/*.jsonl.gz"]},
+    install_requires=[
+        # Install torch first on CPU-only machines (pip install torch==2.13.0) so that pip does
+        # not pull a CUDA build; on GPU nodes any torch >= 2.6 with FSDP2 works.
+        "torch>=2.6",
+        "numpy>=1.24",
+        "sentencepiece>=0.2",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4"],
+    },
+    entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:main"]},
+)
