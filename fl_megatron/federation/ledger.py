@@ -50,7 +50,12 @@ _PAYLOAD_ARG = {
     "_allgather_base_": 1, "allgather_": 1, "allgather_into_tensor_coalesced_": 1,
     "allgather_coalesced_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_": 1,
     "reduce_scatter_tensor_coalesced_": 1, "alltoall_": 1, "alltoall_base_": 1,
+    # functional collectives (DTensor reductions, e.g. a gradient norm): the input comes first
+    "all_reduce": 0, "all_reduce_coalesced": 0, "all_gather_into_tensor": 0,
+    "all_gather_into_tensor_coalesced": 0, "reduce_scatter_tensor": 0,
+    "reduce_scatter_tensor_coalesced": 0, "broadcast": 0, "all_to_all_single": 0,
 }
+_NAMESPACES = ("c10d", "_c10d_functional")
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -66,8 +71,7 @@ class CollectiveCounter(TorchDispatchMode):
         self.payload: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace = getattr(func, "namespace", "")
-        if namespace == "c10d":
+        if getattr(func, "namespace", "") in _NAMESPACES:
             name = func._schema.name.split("::")[-1]
             self.calls[name] += 1
             index = _PAYLOAD_ARG.get(name)

@@ -14,7 +14,7 @@ from ..backends import make_backend
 from ..config import RunConfig
 from ..config.flags import config_to_json
 from ..data import BatchSource, SampleOrder, TokenSamples, eval_batches, prepare_demo_data
-from ..federation import CollectiveCounter, CommLedger, FederationEngine, build_process_groups
+from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from ..topology import Layout
 from .console import format_duration, progress_line, say
 from .launch import LaunchEnv, init_distributed
@@ -115,6 +115,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return total / self.accum, norm
 
+    def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, Optional[SyncResult]]:
+        """Optimizer step `step` (0-based) and the sync after it when due.
+
+        Returns (loss, grad norm, learning rate, sync result or None)."""
+        lr = learning_rate(step, self.cfg.training)
+        set_learning_rate(self.optimizer, lr)
+        loss, norm = self._measured(self._step_traffic, lambda: self._train_step(step))
+        done = step + 1
+        sync = self.engine.after_step(done, last=done == self.cfg.training.train_iters)
+        return loss, norm, lr, sync
+
     def _measured(self, calibrated: _Calibrated, work):
         """Run `work`; the first time under a collective counter, to learn its payload bytes."""
         if calibrated.by_tier is not None:
@@ -134,7 +145,7 @@ class Trainer:
         replica_tier = self.groups.tier("replica") if self.layout.is_hsdp else shard_tier
         out: dict = {}
         for op, nbytes in counter.payload.items():
-            tier = replica_tier if op.startswith("allreduce") else shard_tier
+            tier = replica_tier if op.startswith(("allreduce", "all_reduce")) else shard_tier
             out[tier] = out.get(tier, 0) + nbytes
         return out
 
@@ -163,10 +174,7 @@ class Trainer:
         evals: list[dict] = []
         for step in range(t.train_iters):
             done = step + 1
-            lr = learning_rate(step, t)
-            set_learning_rate(self.optimizer, lr)
-            loss, norm = self._measured(self._step_traffic, lambda: self._train_step(step))
-            sync = self.engine.after_step(done, last=done == t.train_iters)
+            loss, norm, lr, sync = self.step(step)
             interval_steps += 1
             if done % t.log_interval == 0 or done == t.train_iters or sync is not None:
                 now = time.perf_counter()

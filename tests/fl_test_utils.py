@@ -1,0 +1,34 @@
+"""Shared pieces of the multi-rank tests: a tiny configuration and a step-by-step trainer."""
+
+from fl_megatron.config import RunConfig
+from fl_megatron.models import get_preset
+from fl_megatron.training.launch import read_launch_env
+from fl_megatron.training.trainer import Trainer
+
+
+def tiny_config(run_dir: str, cache_dir: str, *, group_size: int, shard_size=None, sync_interval: int = 1,
+                optimizer: str = "sgd", steps: int = 3, replica_split: bool = True, lr: float = 0.5,
+                bf16: bool = False) -> RunConfig:
+    """A 2-layer Llama with GQA on the demo data; plain SGD (no momentum, decay or clipping)."""
+    cfg = RunConfig()
+    cfg.model = get_preset("llama-tiny")
+    cfg.preset = "llama-tiny"
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = 2, 64, 96
+    m.num_attention_heads, m.num_query_groups, m.vocab_size = 4, 2, 512
+    cfg.data.tokenizer_vocab_size = 512
+    cfg.data.data_cache_dir = cache_dir
+    t = cfg.training
+    t.seq_length, t.micro_batch_size, t.train_iters = 32, 2, steps
+    t.optimizer, t.lr, t.min_lr, t.lr_decay_style = optimizer, lr, 0.0, "constant"
+    t.weight_decay, t.clip_grad, t.sgd_momentum = 0.0, 0.0, 0.0
+    t.eval_iters, t.log_interval, t.run_dir, t.bf16 = 0, 1, run_dir, bf16
+    f = cfg.federation
+    f.group_size, f.hsdp_shard_size, f.sync_interval, f.replica_split = group_size, shard_size, sync_interval, replica_split
+    return cfg
+
+
+def make_trainer(cfg: RunConfig) -> Trainer:
+    env = read_launch_env()
+    layout = cfg.validate(env.world_size, env.local_world_size)
+    return Trainer(cfg, env, layout)
