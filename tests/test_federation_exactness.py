@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_harness import run_ranks
+from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import make_trainer, tiny_config
 
 pytestmark = pytest.mark.timeout(600)

@@ -133,8 +133,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, argpars
     ns = parser.parse_args(argv)
     given = vars(ns)
     flags = {k: v for k, v in given.items() if "." in k}
-    json_data = load_json(given["config"]) if "config" in given else None
     try:
+        json_data = load_json(given["config"]) if "config" in given else None
         cfg = config_from_sources(json_data, flags, preset=given.get("model"),
                                   where=given.get("config", "config"))
     except ValueError as e:

@@ -1,11 +1,14 @@
-"""Run a function on N CPU ranks (gloo) in spawned processes, with timeouts at every level.
+"""Run a function on N local CPU ranks (gloo) in spawned processes, with timeouts at every level.
 
-The child's traceback is re-raised in the parent; a hang becomes a failure after `timeout`.
+For tests and benchmarks on one machine. The child's traceback is re-raised in the parent;
+a hang becomes a failure after `timeout` (the process group also times out on its own).
 """
 
 import datetime
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -43,8 +46,6 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
         for p in procs:
             p.start()
         results, errors = {}, []
-        import queue as queue_module
-        import time
         deadline = time.monotonic() + timeout
         try:
             while len(results) + len(errors) < world:

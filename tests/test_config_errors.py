@@ -1,0 +1,91 @@
+"""Bad layouts, flags and config files fail before any process group exists, naming the problem."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from fl_megatron.pretrain import main
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Pretend torchrun started 8 ranks (4 per node) and this is rank 0."""
+    for key, value in dict(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4").items():
+        monkeypatch.setenv(key, value)
+
+
+def _fails(capsys, argv, *needles):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in: {err}"
+    assert not dist.is_initialized()
+    return err
+
+
+BASE = ["--model", "llama-tiny"]
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--fl-group-size", "3"], ["group_size=3", "world_size=8", "valid group sizes"]),
+    (["--fl-group-size", "8", "--fl-hsdp-shard-size", "3"], ["shard_size=3", "group_size=8"]),
+    (["--fl-group-size", "2", "--fl-num-groups", "2"], ["num_groups=2", "group_size=2"]),
+    (["--fl-num-groups", "3"], ["num_groups=3"]),
+    (["--fl-group-size", "8", "--fl-hsdp-shard-size", "8", "--ranks-per-node", "3"], ["ranks_per_node=3"]),
+    (["--global-batch-size", "20"], ["global_batch_size=20", "micro_batch_size (4) x world size (8) = 32"]),
+    (["--global-batch-size", "64", "--gradient-accumulation-steps", "3"], ["gradient_accumulation_steps=3"]),
+    (["--seq-length", "4096"], ["seq_length=4096", "max_position_embeddings=1024"]),
+    (["--vocab-size", "1000"], ["vocab_size=1000", "tokenizer_vocab_size=4096"]),
+    (["--num-query-groups", "3"], ["num_query_groups=3", "num_attention_heads=4"]),
+    (["--hidden-size", "250"], ["hidden_size=250"]),
+    (["--lr", "-1"], ["lr=-1"]),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], ["min_lr=0.001", "lr=0.0001"]),
+    (["--lr-warmup-iters", "500", "--train-iters", "100"], ["lr_warmup_iters=500"]),
+    (["--optimizer", "lion"], ["optimizer='lion'"]),
+    (["--lr-decay-style", "step"], ["lr_decay_style='step'"]),
+    (["--fl-sync-interval", "-1"], ["sync_interval=-1"]),
+    (["--clip-grad", "-1"], ["clip_grad=-1"]),
+    (["--backend", "megatron"], ["backend='megatron'"]),
+    (["--world-size", "16"], ["--world-size 16", "WORLD_SIZE=8"]),
+    (["--fl-bucket-mb", "0"], ["bucket_mb=0"]),
+    (["--micro-batch-size", "0"], ["micro_batch_size=0"]),
+])
+def test_invalid_flags_fail_before_process_groups(launched, capsys, flags, needles):
+    _fails(capsys, BASE + flags, *needles)
+
+
+def test_unknown_preset_lists_the_valid_ones(launched, capsys):
+    _fails(capsys, ["--model", "llama-huge"], "llama-huge", "llama3.1-8b")
+
+
+def test_bad_types_on_the_command_line(launched, capsys):
+    _fails(capsys, BASE + ["--fl-group-size", "two"], "--fl-group-size", "two")
+
+
+@pytest.mark.parametrize("content,needles", [
+    ({"federation": {"group_size": 2, "sync_every": 4}}, ["sync_every", "valid keys", "sync_interval"]),
+    ({"federaton": {}}, ["federaton", "valid sections"]),
+    ({"training": {"lr": "fast"}}, ["training.lr", "expected float", "fast"]),
+    ({"training": {"train_iters": 2.5}}, ["training.train_iters", "expected int"]),
+    ({"model": {"preset": "nope"}}, ["nope"]),
+    ([1, 2], ["top level must be an object"]),
+])
+def test_bad_config_files(launched, capsys, tmp_path, content, needles):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(content))
+    _fails(capsys, ["--config", str(path)], str(path) if "nope" not in needles else "nope", *needles)
+
+
+def test_malformed_json_names_file_and_line(launched, capsys, tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  "training": {"lr": 1e-3,}\n}\n')
+    _fails(capsys, ["--config", str(path)], str(path), "line 2")
+
+
+def test_missing_config_file(launched, capsys, tmp_path):
+    _fails(capsys, ["--config", str(tmp_path / "absent.json")], "absent.json", "does not exist")

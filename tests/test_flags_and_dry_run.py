@@ -1,0 +1,77 @@
+"""Flag/JSON precedence, config round trip, generated --help, and --dry-run at 512 ranks."""
+
+import json
+
+import pytest
+
+from fl_megatron.config.flags import build_parser, config_to_json, dump_flags, load_json, parse_args
+from fl_megatron.costs import sync_comm
+from fl_megatron.models import count_parameters, get_preset
+from fl_megatron.pretrain import main
+from fl_megatron.topology import make_layout
+
+
+def test_precedence_defaults_preset_json_flags(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": {"preset": "llama3.1-8b", "num_layers": 2},
+                                "training": {"lr": 1e-3, "train_iters": 7},
+                                "federation": {"group_size": 4, "sync_interval": 16}}))
+    cfg, _ = parse_args(["--config", str(path), "--lr", "2e-3", "--fl-sync-interval", "8"])
+    assert cfg.preset == "llama3.1-8b"
+    assert cfg.model.hidden_size == 4096          # from the preset
+    assert cfg.model.num_layers == 2              # JSON overrides the preset
+    assert cfg.training.lr == 2e-3                # flag overrides JSON
+    assert cfg.training.train_iters == 7          # JSON overrides the default
+    assert cfg.federation.sync_interval == 8 and cfg.federation.group_size == 4
+    assert cfg.training.micro_batch_size == 4     # default
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg, _ = parse_args(["--model", "gpt2-small", "--fl-num-groups", "4", "--bf16", "--no-fl-replica-split"])
+    path = tmp_path / "config.json"
+    path.write_text(config_to_json(cfg))
+    again, _ = parse_args(["--config", str(path)])
+    assert again == cfg
+    flags_again, _ = parse_args(dump_flags(cfg))
+    assert flags_again == cfg
+    assert load_json(str(path))["model"]["preset"] == "gpt2-small"
+
+
+def test_help_documents_every_flag():
+    text = build_parser().format_help()
+    for flag in ["--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                 "--num-query-groups", "--seq-length", "--micro-batch-size", "--global-batch-size",
+                 "--gradient-accumulation-steps", "--lr", "--min-lr", "--lr-warmup-iters",
+                 "--lr-decay-style", "--train-iters", "--weight-decay", "--clip-grad", "--optimizer",
+                 "--bf16", "--seed", "--eval-interval", "--eval-iters", "--log-interval", "--run-dir",
+                 "--backend", "--ranks-per-node", "--fl-group-size", "--fl-num-groups",
+                 "--fl-sync-interval", "--fl-hsdp-shard-size", "--config", "--dry-run", "--world-size"]:
+        assert flag in text, flag
+
+
+PUBLISHED = {
+    "FSDP": [],
+    "HSDP": ["--fl-hsdp-shard-size", "4"],
+    "FL+FSDP": ["--fl-group-size", "4"],
+    "FL+HSDP": ["--fl-group-size", "32", "--fl-hsdp-shard-size", "4"],
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_dry_run_of_the_published_layouts(name, capsys, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--model", "llama3.1-8b", "--world-size", "512", "--ranks-per-node", "4", "--bf16",
+            "--micro-batch-size", "2", "--seq-length", "8192", "--fl-sync-interval", "8",
+            "--tokenizer-vocab-size", "4096", *PUBLISHED[name], "--dry-run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "8,030,261,248 parameters" in out
+    assert "512 ranks on 128 nodes x 4" in out
+    layout = make_layout(512, 4, group_size=int(dict(zip(argv[::1], argv[1:])).get("--fl-group-size", 512)),
+                         shard_size=int(dict(zip(argv, argv[1:])).get("--fl-hsdp-shard-size", 0)) or None)
+    if layout.is_federated:
+        assert "all_reduce_peers" in out
+        assert sync_comm(layout, count_parameters(get_preset("llama3.1-8b"))).total_bytes > 0
+    else:
+        assert "per federation sync:\n    nothing moves" in out
