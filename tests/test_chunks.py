@@ -67,7 +67,7 @@ def test_plan_covers_every_element_once_and_respects_limits(numels, bucket, repl
         if chunk.inplace:
             assert len(chunk.segments) == 1
             assert total % replicas == 0
-            assert total <= bucket
+            assert total <= max(8 * bucket, replicas)   # in-place pieces: at most 8 buckets
             assert padded == total
         else:
             assert total <= bucket, f"packed chunk of {total} > bucket {bucket}"
@@ -83,7 +83,7 @@ def test_plan_covers_every_element_once_and_respects_limits(numels, bucket, repl
             if tail:
                 assert packed_of[i][0].start == n - tail
             body = n - tail
-            piece = bucket // replicas * replicas
+            piece = max(8 * bucket, replicas) // replicas * replicas
             assert len(inplace_of[i]) == -(-body // piece)   # pieces as large as allowed
         else:
             assert not inplace_of[i], f"shard {i} of {n} < {threshold} elements was done in place"
@@ -120,3 +120,9 @@ def test_inplace_min_boundary():
 def test_invalid_bucket_or_replicas_raise(bucket, replicas):
     with pytest.raises(ValueError):
         plan_chunks([10, 3], bucket, replicas=replicas)
+
+
+def test_inplace_max_limits_the_pieces():
+    chunks = plan_chunks([100], 10, replicas=4, inplace_max=30)
+    assert [c.segments[0].length for c in chunks] == [28, 28, 28, 16]
+    assert all(c.inplace for c in chunks)

@@ -12,6 +12,11 @@ from ..federation.groups import ProcessGroups
 from ..models import build_model, initial_rows
 
 
+def _shard_count(param: DTensor) -> int:
+    """Ranks the parameter's dim 0 is split over (the mesh's last, shard, dimension)."""
+    return param.device_mesh.size(param.device_mesh.ndim - 1)
+
+
 class FSDP2Backend:
     """A model built on the meta device, sharded per transformer block and at the root over the
     group's shard mesh, its shards materialised directly from the seeded initialisation.
@@ -36,9 +41,59 @@ class FSDP2Backend:
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        model.to_empty(device=device)
+        self._flat, self._shard_list = self._allocate(model, device)
         self._materialise(model, seed)
         self.model = model
+
+    @staticmethod
+    def _allocate(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, list]:
+        """Materialise the meta shards; evenly split ones as adjacent views of one flat buffer.
+
+        FSDP2 keeps a shard's storage as given when its size equals the padded shard size (the
+        parameter's rows divide evenly by the shard count), so those shards can share one flat
+        fp32 buffer: the federation average then moves them with one collective and no copy.
+        Unevenly split shards get their own storage (FSDP2 pads them). Which parameters are
+        even depends only on shapes and shard count, so every peer rank has the same layout.
+        """
+        params = list(model.parameters())
+        even = [p for p in params if p.to_local().shape[0] * _shard_count(p) == p.shape[0]]
+        flat = torch.empty(sum(p.to_local().numel() for p in even), device=device)
+        offsets, offset = {}, 0
+        for p in even:
+            offsets[id(p)] = offset
+            offset += p.to_local().numel()
+
+        def relocate(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, DTensor) and id(t) in offsets:
+                local = t.to_local()
+                view = flat.narrow(0, offsets[id(t)], local.numel()).view(local.shape)
+                return DTensor.from_local(view, t.device_mesh, t.placements, run_check=False,
+                                          shape=t.shape, stride=t.stride())
+            return torch.empty_like(t, device=device)
+
+        model._apply(relocate)
+        # One entry per run of adjacent flat shards, and one per separately stored shard.
+        shard_list, run_start, run_len = [], None, 0
+        for p in model.parameters():
+            local = p.to_local()
+            in_flat = id(p) in offsets and local.numel() > 0 and \
+                local.data_ptr() == flat.data_ptr() + offsets[id(p)] * flat.element_size()
+            if id(p) in offsets and local.numel() > 0 and not in_flat:
+                raise RuntimeError("FSDP2 did not keep the shard storage it was given; "
+                                   "this torch version is not supported by the flat layout")
+            if in_flat and run_start is not None and offsets[id(p)] == run_start + run_len:
+                run_len += local.numel()
+                continue
+            if run_start is not None:
+                shard_list.append(("flat", run_start, run_len))
+                run_start, run_len = None, 0
+            if in_flat:
+                run_start, run_len = offsets[id(p)], local.numel()
+            elif local.numel() > 0:
+                shard_list.append(("param", p, None))
+        if run_start is not None:
+            shard_list.append(("flat", run_start, run_len))
+        return flat, shard_list
 
     @torch.no_grad()
     def _materialise(self, model: nn.Module, seed: int) -> None:
@@ -51,7 +106,7 @@ class FSDP2Backend:
             placement = param.placements[-1]
             if not (isinstance(placement, Shard) and placement.dim == 0):
                 raise TypeError(f"parameter {name} has placements {param.placements}; expected Shard(0)")
-            shard_count = param.device_mesh.size(param.device_mesh.ndim - 1)
+            shard_count = _shard_count(param)
             shard_index = param.device_mesh.get_local_rank(param.device_mesh.ndim - 1)
             rows = -(-shard_dim_size // shard_count)  # torch.chunk semantics, as FSDP2 uses
             start = min(shard_index * rows, shard_dim_size)
@@ -63,8 +118,10 @@ class FSDP2Backend:
 
     # --- the engine's contract -------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
-        """This rank's fp32 shard of every parameter (contiguous views FSDP2 updates in place)."""
-        return [p.to_local() for p in self.model.parameters()]
+        """This rank's fp32 shards: runs of adjacent shards in the flat buffer as one tensor each,
+        the separately stored (unevenly split) ones on their own. FSDP2 updates them in place."""
+        return [self._flat.narrow(0, a, b) if kind == "flat" else a.to_local()
+                for kind, a, b in self._shard_list]
 
     def refresh_after_sync(self) -> None:
         """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""

@@ -1,6 +1,6 @@
 """Cutting a list of shards into the pieces that one collective each averages.
 
-Large shards are averaged in place, in pieces of at most one bucket; small shards are packed
+Large shards are averaged in place (no copy), in pieces of a few buckets; small shards are packed
 into bucket buffers so that a model of many small tensors still moves in few collectives.
 With HSDP replica split every piece's length is a multiple of the replica count P, so each
 replica can average one equal slice of it.
@@ -35,11 +35,12 @@ class Chunk:
 
 
 def plan_chunks(numels: list[int], bucket_elements: int, replicas: int = 1,
-                inplace_min: int | None = None) -> list[Chunk]:
+                inplace_min: int | None = None, inplace_max: int | None = None) -> list[Chunk]:
     """Pieces covering every element of every shard exactly once, in shard order.
 
     A shard of at least `inplace_min` elements (default: an eighth of a bucket) is averaged in
-    place in pieces of at most `bucket_elements` whose lengths are multiples of `replicas`;
+    place, without a copy, in pieces of at most `inplace_max` elements (default: 8 buckets; a
+    limit only so that consecutive pieces pipeline) whose lengths are multiples of `replicas`;
     its last `numel % replicas` elements and all smaller shards are packed into buckets of at
     most `bucket_elements`.
     """
@@ -49,7 +50,8 @@ def plan_chunks(numels: list[int], bucket_elements: int, replicas: int = 1,
         raise ValueError(f"replicas={replicas} must be at least 1")
     inplace_min = max(replicas, min(bucket_elements,
                                    inplace_min if inplace_min is not None else bucket_elements // 8), 1)
-    piece = bucket_elements // replicas * replicas
+    inplace_max = max(inplace_max if inplace_max is not None else 8 * bucket_elements, replicas)
+    piece = inplace_max // replicas * replicas
     chunks: list[Chunk] = []
     packed: list[Segment] = []
     packed_len = 0
