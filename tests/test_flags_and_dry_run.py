@@ -75,3 +75,15 @@ def test_dry_run_of_the_published_layouts(name, capsys, monkeypatch):
         assert sync_comm(layout, count_parameters(get_preset("llama3.1-8b"))).total_bytes > 0
     else:
         assert "per federation sync:\n    nothing moves" in out
+
+
+def test_flags_doc_is_up_to_date():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("gen_flags_doc", root / "tools" / "gen_flags_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "flags.md").read_text() == module.render(), \
+        "docs/flags.md is stale: run python tools/gen_flags_doc.py"

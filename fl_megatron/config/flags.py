@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
             ftype = _field_type(cls, f)
-            help_text = f.metadata.get("help", "") + f" (default: {getattr(getattr(defaults, section), f.name)})"
+            help_text = f.metadata.get("help", "")
+            if "default" not in help_text:
+                help_text += f" (default: {getattr(getattr(defaults, section), f.name)})"
             help_text = help_text.replace("%", "%%")
             dest = f"{section}.{f.name}"
             name = flag_name(section, f.name)

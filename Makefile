@@ -1,0 +1,44 @@
+# fl-megatron: `make demo` pre-trains a tiny Llama on 4 CPU ranks (FL+FSDP, 2 groups of 2);
+# `make test` runs the test suite. Both create the virtual environment they need first.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+DEMO_RANKS ?= 4
+BIN := $(VENV)/bin
+
+.PHONY: demo test bench dry-run clean
+
+# torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.package: setup.py $(VENV)/.torch
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-extras: setup.py $(VENV)/.package
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.package
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_RANKS) \
+		-m fl_megatron.pretrain --config examples/demo.json $(ARGS)
+
+test: $(VENV)/.test-extras
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)
+
+bench: $(VENV)/.package
+	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_sync.py $(ARGS)
+
+dry-run: $(VENV)/.package
+	$(BIN)/python -m fl_megatron.pretrain --model llama3.1-8b --world-size 512 --ranks-per-node 4 \
+		--fl-group-size 32 --fl-hsdp-shard-size 4 --bf16 --micro-batch-size 2 --seq-length 8192 --dry-run
+
+clean:
+	rm -rf $(VENV) runs *.egg-info
