@@ -22,5 +22,5 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4"],
     },
-    entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:main"]},
+    entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},
 )

@@ -39,6 +39,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     trainer = Trainer(cfg, env, layout)
     try:
         trainer.train()
+        # Leave together: a rank tearing down gloo while a peer is still in its last
+        # collectives can abort the peer at exit.
+        dist.barrier()
     finally:
         trainer.close()
         if dist.is_initialized():
@@ -51,5 +54,19 @@ def _fail(message: str) -> int:
     return 2
 
 
+def run_and_exit() -> None:
+    """Entry point for launched processes.
+
+    After a clean finish (files written, process group destroyed) the process leaves with
+    os._exit: gloo's threads occasionally abort ("terminate called without an active
+    exception") during interpreter finalisation, which would turn a finished run into a
+    failed rank under torchrun.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -49,6 +49,17 @@ def test_fl_fsdp_losses_equal_fsdp_through_the_command_line(tmp_path):
     assert fl[-1]["inter_group_bytes"] > 0 and fsdp[-1]["inter_group_bytes"] == 0
 
 
+def test_fl_hsdp_losses_equal_fsdp_through_the_command_line(tmp_path):
+    steps = ["--train-iters", "3", "--eval-iters", "0"]
+    fsdp = run_pretrain(8, tmp_path / "fsdp", tmp_path / "cache", *SGD, *steps)
+    hsdp = run_pretrain(8, tmp_path / "hsdp", tmp_path / "cache", *SGD, *steps, "--fl-group-size", "4",
+                        "--fl-hsdp-shard-size", "2", "--fl-sync-interval", "1")
+    assert len(hsdp) == len(fsdp) == 3
+    for a, b in zip(fsdp, hsdp):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    assert all(r["synced"] for r in hsdp)
+
+
 def test_sharded_adamw_with_clipping_equals_one_process_with_accumulation(tmp_path):
     """FSDP over 4 ranks and 1 process accumulating 4 micro-batches read the same samples
     (sample ids depend on global rank and step only) and must take the same AdamW steps,

@@ -63,6 +63,19 @@ def _fsdp_job(rank, world, tmp, cache):
     out["step_traffic"] = sum(trainer._step_traffic.by_tier.values())
     out["expected_step_traffic"] = _expected_fsdp_step_bytes(trainer)
     trainer.close()
+
+    # bf16 compute keeps fp32 master shards, which the sync averages to bit-identical values
+    losses = {}
+    for bf16 in (False, True):
+        t = make_trainer(tiny_config(f"{tmp}/bf16{bf16}", cache, group_size=2, sync_interval=1,
+                                     optimizer="adamw", lr=1e-3, bf16=bf16))
+        loss, _, _, sync = t.step(0)
+        losses[bf16] = float(loss)
+        if bf16:
+            out["bf16_master_dtypes"] = {str(s.dtype) for s in t.backend.local_shards()}
+            out["bf16_synced_identical"] = sync is not None and _peers_identical(t)
+        t.close()
+    out["bf16_vs_fp32_first_loss"] = (losses[True], losses[False])
     return out
 
 
@@ -97,6 +110,10 @@ def test_fl_fsdp_equals_fsdp_and_syncs_are_exact(tmp_path):
         assert r["identical_after_steps_1_2_3"] == [False, True, False]
         # grad-norm reductions add a few scalars: allow 64 bytes
         assert 0 <= r["step_traffic"] - r["expected_step_traffic"] <= 64, r
+        assert r["bf16_master_dtypes"] == {"torch.float32"}
+        assert r["bf16_synced_identical"]
+        bf16_loss, fp32_loss = r["bf16_vs_fp32_first_loss"]
+        assert bf16_loss != fp32_loss and abs(bf16_loss - fp32_loss) <= 0.02 * fp32_loss
 
 
 def _hsdp_job(rank, world, tmp, cache):
