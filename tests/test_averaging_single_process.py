@@ -5,22 +5,10 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fl_megatron.federation.averaging import ShardAverager
 from fl_megatron.federation.ledger import CommLedger
 from fl_megatron.federation.schedule import sync_due
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    assert not dist.is_initialized()
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 SHAPES = [(7,), (3, 5), (), (0,), (128,), (2, 3, 4), (1,), (33,), (0, 4), (65, 3)]

@@ -10,17 +10,6 @@ import torch.distributed._functional_collectives as funcol
 from fl_megatron.federation.ledger import SCOPES, TIERS, CollectiveCounter, CommLedger
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    assert not dist.is_initialized()
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
 def test_counts_eager_collectives(world, dtype):

@@ -2,8 +2,6 @@
 
 import dataclasses
 import math
-import os
-import sys
 
 import pytest
 import torch

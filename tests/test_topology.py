@@ -11,7 +11,7 @@ from fl_megatron.topology import (Layout, coords, federation_groups, make_layout
 
 def brute_groups(layout, key):
     """Group ranks by key(f, r, s, node) using only the defining formulas."""
-    g, s_n, r_n = layout.group_size, layout.shard_size, layout.ranks_per_node
+    g, s_n = layout.group_size, layout.shard_size
     buckets = {}
     for rank in range(layout.world_size):
         f, local = rank // g, rank % g

@@ -50,7 +50,7 @@ def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
         f"  batch: micro {t.micro_batch_size} x {accum} accumulation = {per_rank_batch} samples per rank, "
         f"{per_rank_batch * layout.group_size} per group step, {per_rank_batch * layout.world_size} over all ranks "
         f"({per_rank_batch * layout.world_size * t.seq_length:,} tokens per step)",
-        f"  federation: " + (f"average every {h} steps" if h else "no averaging")
+        "  federation: " + (f"average every {h} steps" if h else "no averaging")
         + (f", {'replica split' if fed.replica_split else 'naive'} HSDP averaging" if layout.is_hsdp and h else ""),
         "",
         f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}):",
