@@ -1,6 +1,7 @@
 """The training loop: build everything from the config, train, sync, evaluate, report."""
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from .run_files import RunFiles
 
 
 def default_cache_dir() -> Path:
-    import os
+    """Where the demo tokenizer and token arrays are cached ($FL_MEGATRON_CACHE overrides)."""
     return Path(os.environ.get("FL_MEGATRON_CACHE") or Path.home() / ".cache" / "fl-megatron")
 
 
