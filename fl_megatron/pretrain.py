@@ -50,7 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _fail(message: str) -> int:
-    print(f"fl_megatron.pretrain: error: {message}", file=sys.stderr)
+    """Report a configuration error (once per job: every rank finds the same one) and exit 2."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"fl_megatron.pretrain: error: {message}", file=sys.stderr)
     return 2
 
 

@@ -35,6 +35,13 @@ def _int_env(names: tuple[str, ...], default: int | None) -> int | None:
     return default
 
 
+def _slurm_tasks_per_node() -> int | None:
+    """First count of SLURM_TASKS_PER_NODE ("4(x128)" or "4,4" -> 4)."""
+    value = os.environ.get("SLURM_TASKS_PER_NODE", "")
+    digits = value.split("(")[0].split(",")[0]
+    return int(digits) if digits.isdigit() else None
+
+
 def read_launch_env() -> LaunchEnv:
     """Ranks from torchrun's variables, or SLURM's under srun; a single process otherwise."""
     rank = _int_env(("RANK", "SLURM_PROCID"), 0)
@@ -42,7 +49,7 @@ def read_launch_env() -> LaunchEnv:
     local_rank = _int_env(("LOCAL_RANK", "SLURM_LOCALID"), 0)
     local_world = _int_env(("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), None)
     if local_world is None:
-        local_world = world
+        local_world = _slurm_tasks_per_node() or world
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world} ranks (check RANK / WORLD_SIZE)")
     return LaunchEnv(rank, world, local_rank, local_world)
@@ -52,7 +59,13 @@ def init_distributed(env: LaunchEnv, timeout_minutes: float) -> None:
     """Create the default process group: NCCL on GPUs, gloo on CPU; one process needs no launcher."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_ADDR" not in os.environ:
+        if env.local_world_size < env.world_size:
+            raise ValueError(
+                f"MASTER_ADDR is not set and the {env.world_size} ranks span several nodes: set it "
+                "to the first node's address (under SLURM: export MASTER_ADDR=$(scontrol show "
+                "hostnames $SLURM_JOB_NODELIST | head -n 1)) and MASTER_PORT to a free port")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", str(env.rank))
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))

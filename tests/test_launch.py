@@ -1,0 +1,47 @@
+"""Reading ranks from torchrun's and SLURM's environment variables."""
+
+import pytest
+
+from fl_megatron.training.launch import LaunchEnv, init_distributed, read_launch_env
+
+VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+        "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "MASTER_ADDR")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_single_process_without_a_launcher(clean_env):
+    assert read_launch_env() == LaunchEnv(0, 1, 0, 1)
+
+
+def test_torchrun_variables(clean_env):
+    for k, v in dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
+        clean_env.setenv(k, v)
+    assert read_launch_env() == LaunchEnv(5, 8, 1, 4)
+
+
+def test_slurm_variables_with_compressed_tasks_per_node(clean_env):
+    for k, v in dict(SLURM_PROCID="130", SLURM_NTASKS="512", SLURM_LOCALID="2",
+                     SLURM_TASKS_PER_NODE="4(x128)").items():
+        clean_env.setenv(k, v)
+    assert read_launch_env() == LaunchEnv(130, 512, 2, 4)
+
+
+def test_bad_values_are_named(clean_env):
+    clean_env.setenv("WORLD_SIZE", "eight")
+    with pytest.raises(ValueError, match="WORLD_SIZE='eight'"):
+        read_launch_env()
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("RANK", "4")
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4"):
+        read_launch_env()
+
+
+def test_multi_node_needs_a_master_address(clean_env):
+    with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
+        init_distributed(LaunchEnv(0, 8, 0, 4), timeout_minutes=1)
