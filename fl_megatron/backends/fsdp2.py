@@ -1,7 +1,5 @@
 """PyTorch FSDP2 (`fully_shard`) inside each federation group; HSDP on a 2-D mesh."""
 
-from typing import Iterable, Optional
-
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -25,8 +23,6 @@ class FSDP2Backend:
     (MixedPrecisionPolicy), so the local shards ARE the fp32 master values and there is no
     derived low-precision copy to refresh after a sync.
     """
-
-    name = "fsdp2"
 
     def __init__(self, model_cfg: ModelConfig, groups: ProcessGroups, device: torch.device,
                  seed: int, bf16: bool = False) -> None:
@@ -127,9 +123,6 @@ class FSDP2Backend:
         """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""
 
     # --- what the trainer needs ------------------------------------------------------------
-    def parameters(self) -> Iterable[nn.Parameter]:
-        return self.model.parameters()
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
@@ -152,15 +145,3 @@ class FSDP2Backend:
         """Unsharded parameters gathered on every rank (small models and tests only)."""
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
                 for name, p in self.model.named_parameters()}
-
-    def optimizer_state_bytes(self, optimizer: Optional[torch.optim.Optimizer]) -> int:
-        """Bytes of optimizer state held by this rank."""
-        if optimizer is None:
-            return 0
-        total = 0
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    local = value.to_local() if isinstance(value, DTensor) else value
-                    total += local.numel() * local.element_size()
-        return total

@@ -1,7 +1,6 @@
 """The inner optimiser of a federation group (its state is never averaged across groups)."""
 
 import torch
-from torch import nn
 
 from ..config.training import TrainingConfig
 
@@ -26,6 +25,3 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
-
-def count_trainable(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
