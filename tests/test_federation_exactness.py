@@ -59,6 +59,8 @@ def _fsdp_job(rank, world, tmp, cache):
         trainer.step(step)
         identical.append(_peers_identical(trainer))
     out["identical_after_steps_1_2_3"] = identical
+    # the variance metric against a direct computation from all groups' shards
+    out["variance"] = (_direct_variance(trainer), trainer.engine.sync(step=4).variance)
     # the per-step traffic measured by calibration equals FSDP2's collectives by closed form
     out["step_traffic"] = sum(trainer._step_traffic.by_tier.values())
     out["expected_step_traffic"] = _expected_fsdp_step_bytes(trainer)
@@ -77,6 +79,20 @@ def _fsdp_job(rank, world, tmp, cache):
         t.close()
     out["bf16_vs_fp32_first_loss"] = (losses[True], losses[False])
     return out
+
+
+def _direct_variance(trainer) -> float:
+    """Mean over parameter elements of the population variance across groups, from gathered shards."""
+    sq, count = torch.zeros((), dtype=torch.float64), 0
+    for shard in trainer.backend.local_shards():
+        gathered = [torch.empty_like(shard) for _ in range(trainer.layout.num_groups)]
+        dist.all_gather(gathered, shard.contiguous(), group=trainer.groups.peer)
+        stacked = torch.stack(gathered).double()
+        sq += stacked.var(dim=0, unbiased=False).sum()
+        count += shard.numel()
+    totals = torch.tensor([float(sq), float(count)], dtype=torch.float64)
+    dist.all_reduce(totals)  # every group's rank holds the same values: the ratio is unchanged
+    return float(totals[0] / totals[1])
 
 
 def _expected_fsdp_step_bytes(trainer) -> int:
@@ -108,6 +124,8 @@ def test_fl_fsdp_equals_fsdp_and_syncs_are_exact(tmp_path):
         reported, shard_bytes, ledger_delta = r["sync_payload"]
         assert reported == shard_bytes == ledger_delta
         assert r["identical_after_steps_1_2_3"] == [False, True, False]
+        direct, reported = r["variance"]
+        assert direct > 0 and reported == pytest.approx(direct, rel=1e-6)
         # grad-norm reductions add a few scalars: allow 64 bytes
         assert 0 <= r["step_traffic"] - r["expected_step_traffic"] <= 64, r
         assert r["bf16_master_dtypes"] == {"torch.float32"}

@@ -113,15 +113,18 @@ class ShardAverager:
         chunks = self.plan(shards)
         own = sum(c.padded_length(self.split) for c in chunks) // self.split
         stride = max(1, math.ceil(own / self.max_samples)) if own > self.max_samples else 1
+        # squared deviations and squares of the sample, summed on the device: one host sync per average
+        sums = torch.zeros(2, dtype=torch.float64, device=shards[0].device if shards else "cpu")
         pending: deque[_InFlight] = deque()
         packed_alive = 0
         for chunk in chunks:
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
-                packed_alive -= self._finish(pending.popleft(), flats, stats)
+                packed_alive -= self._finish(pending.popleft(), flats, stats, sums)
             pending.append(self._start(chunk, flats, stride, stats))
             packed_alive += not chunk.inplace
         while pending:
-            self._finish(pending.popleft(), flats, stats)
+            self._finish(pending.popleft(), flats, stats, sums)
+        stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
         return stats
 
     def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats) -> _InFlight:
@@ -145,12 +148,13 @@ class ShardAverager:
             self.ledger.add("inter-group", self.peer_tier, nbytes)
         return _InFlight(chunk, buffer, region, valid, stride, sample, work)
 
-    def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats) -> int:
+    def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats,
+                sums: torch.Tensor) -> int:
         """Complete one piece; returns 1 if it freed a packed buffer."""
         item.work.wait()
-        averaged = _sampled(item.region, item.valid, item.stride)
-        stats.sq_dev_sum += float((item.sample.double() - averaged.double()).pow(2).sum())
-        stats.sq_mean_sum += float(averaged.double().pow(2).sum())
+        averaged = _sampled(item.region, item.valid, item.stride).double()
+        sums[0] += (item.sample.double() - averaged).pow(2).sum()
+        sums[1] += averaged.pow(2).sum()
         stats.samples += item.sample.numel()
         if self.split > 1:
             gather_slices(item.buffer, self.replica_index, self.replica_group)
