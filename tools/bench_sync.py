@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=4)
+    p.add_argument("--only", choices=("sync", "memory"), help="run one of the two parts")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -136,6 +137,17 @@ def main(argv=None) -> int:
           f"({params * 4 / 2**20:.1f} MiB fp32); 4 CPU ranks on gloo, {os.cpu_count()} cores", flush=True)
     results = {"parameters": params}
 
+    if args.only != "memory":
+        sync_part(args, results)
+    if args.only != "sync":
+        memory_part(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def sync_part(args, results: dict) -> None:
     print("\n[1/2] sync time vs a bare all-reduce of the same bytes on the same peer groups", flush=True)
     fsdp = run_ranks(4, sync_job, args, 2, None, timeout=1200)[0]
     ratio = fsdp["median_s"]["sync_split=True"] / fsdp["median_s"]["bare_shard"]
@@ -155,6 +167,8 @@ def main(argv=None) -> int:
           f"(it also all-gathers the slices inside the group)", flush=True)
     results["fl_hsdp"] = hsdp
 
+
+def memory_part(args, results: dict) -> None:
     print("\n[2/2] peak memory per rank, same model and micro-batch, a sync after every step", flush=True)
     fl = run_ranks(4, memory_job, args, 2, timeout=1200)
     base = run_ranks(2, memory_job, args, 2, timeout=1200)
@@ -175,10 +189,6 @@ def main(argv=None) -> int:
           f"(target <= 1.05)", flush=True)
     results["memory"] = {"fl_fsdp": fl, "fsdp_2": base, "fsdp_4": wide, "ratio_peak": ratio_peak,
                          "ratio_above_start": ratio_above}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

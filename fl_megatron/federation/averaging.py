@@ -77,7 +77,7 @@ class ShardAverager:
 
     def __init__(self, peer_group, num_groups: int, *, replica_group=None, replicas: int = 1,
                  replica_index: int = 0, replica_split: bool = True, bucket_bytes: int = 32 << 20,
-                 max_samples: int = 1 << 20, ledger: Optional[CommLedger] = None,
+                 max_samples: int = 1 << 18, ledger: Optional[CommLedger] = None,
                  peer_tier: str = "inter-node", replica_tier: str = "intra-node") -> None:
         if num_groups < 1 or replicas < 1 or not 0 <= replica_index < replicas:
             raise ValueError(f"num_groups={num_groups}, replicas={replicas}, "
