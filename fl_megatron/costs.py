@@ -186,7 +186,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              vocab_size: int, num_attention_heads: int, bf16: bool = True,
                              optimizer: str = "adamw",
                              largest_layer_params: Optional[int] = None,
-                             flash_attention: bool = True) -> Dict[str, float]:
+                             flash_attention: bool = True,
+                             recompute: bool = False) -> Dict[str, float]:
     """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
 
     Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
@@ -194,7 +195,9 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
     (default: max of a transformer block, 12h^2 + 13h, and the vocab x h embedding) and
     activations without recomputation (Korthikanti et al. 2022):
     seq*micro*h*(34 + 5*heads*seq/h) bytes per layer in bf16 (the 5*heads*seq/h score term
-    is dropped with flash_attention, as the models use fused attention), doubled for fp32, plus
+    is dropped with flash_attention, as the models use fused attention), doubled for fp32; with
+    `recompute` (full activation recomputation per block) only each block's input is kept,
+    2*seq*micro*h bytes per layer, plus one block's full activations during its backward; plus
     fp32 logits and their gradient (seq*micro*vocab*4*2).
     Keys: master_params, gradients, optimizer_states, working_params, activations,
     logits, total.
@@ -216,7 +219,9 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
         "gradients": 4 * num_params / s,
         "optimizer_states": _OPTIMIZER_STATE_BYTES[opt] * num_params / s,
         "working_params": 2 * largest_layer_params * param_bytes,
-        "activations": per_layer * num_layers * (1 if bf16 else 2),
+        "activations": (1 if bf16 else 2) * (
+            2 * seq_length * micro_batch_size * h * num_layers + per_layer if recompute
+            else per_layer * num_layers),
         "logits": seq_length * micro_batch_size * vocab_size * 4 * 2,
     }
     parts["total"] = sum(parts.values())

@@ -46,6 +46,10 @@ def test_fl_fsdp_losses_equal_fsdp_through_the_command_line(tmp_path):
     for a, b in zip(fsdp, fl):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
     assert all(r["synced"] for r in fl) and not any(r["synced"] for r in fsdp)
+    # recomputing activations changes memory, not numbers
+    recomputed = run_pretrain(4, tmp_path / "recompute", tmp_path / "cache", *SGD, *steps, "--fl-group-size", "2",
+                              "--fl-sync-interval", "1", "--recompute-activations")
+    assert [r["loss"] for r in recomputed] == pytest.approx([r["loss"] for r in fl], rel=1e-6)
     assert fl[-1]["inter_group_bytes"] > 0 and fsdp[-1]["inter_group_bytes"] == 0
 
 

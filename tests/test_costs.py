@@ -133,3 +133,12 @@ def test_memory_activation_formula_and_options():
 ])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_recompute_keeps_block_inputs_plus_one_block():
+    layout = make_layout(8)
+    s, b, h, L = 8192, 1, 4096, 32
+    full = estimate_memory_per_rank(layout, PSI, **MODEL, largest_layer_params=1000)
+    rec = estimate_memory_per_rank(layout, PSI, **MODEL, largest_layer_params=1000, recompute=True)
+    assert rec["activations"] == pytest.approx(2 * s * b * h * L + s * b * h * 34)
+    assert rec["activations"] < full["activations"] / 10

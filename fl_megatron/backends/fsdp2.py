@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -25,7 +26,7 @@ class FSDP2Backend:
     """
 
     def __init__(self, model_cfg: ModelConfig, groups: ProcessGroups, device: torch.device,
-                 seed: int, bf16: bool = False) -> None:
+                 seed: int, bf16: bool = False, recompute_activations: bool = False) -> None:
         self.model_cfg = model_cfg
         self.groups = groups
         self.device = device
@@ -34,6 +35,10 @@ class FSDP2Backend:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
         mesh = groups.shard_mesh
+        if recompute_activations:
+            # the wrapper's name segment is ignored by the initialisation, so weights stay the same
+            for i, block in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(block)
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -34,6 +34,9 @@ class TrainingConfig:
     sgd_momentum: float = field(default=0.0, metadata={"help": "SGD momentum"})
     clip_grad: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this; 0 disables"})
     bf16: bool = field(default=False, metadata={"help": "bf16 compute and communication with fp32 master shards"})
+    recompute_activations: bool = field(
+        default=False, metadata={"help": "keep only each block's input and recompute the block in the "
+                                         "backward pass (less memory, about a third more compute)"})
     seed: int = field(default=1234, metadata={"help": "seed for initialisation and data order"})
     eval_interval: int = field(default=0, metadata={"help": "evaluate every this many steps (0: only at the end)"})
     eval_iters: int = field(default=4, metadata={"help": "micro-batches per rank in one evaluation (0: no evaluation)"})

@@ -34,7 +34,8 @@ def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
     param_bytes = 2 if t.bf16 else 4
     memory = estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
                                       t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
-                                      optimizer=t.optimizer, largest_layer_params=max(largest, root))
+                                      optimizer=t.optimizer, largest_layer_params=max(largest, root),
+                                      recompute=t.recompute_activations)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=4, micro_batches=accum)
     sync = sync_comm(layout, num_params, master_bytes=4, replica_split=fed.replica_split)
@@ -53,7 +54,8 @@ def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
         "  federation: " + (f"average every {h} steps" if h else "no averaging")
         + (f", {'replica split' if fed.replica_split else 'naive'} HSDP averaging" if layout.is_hsdp and h else ""),
         "",
-        f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}):",
+        f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}"
+        f"{', activations recomputed' if t.recompute_activations else ''}):",
         *(f"    {k:<18} {format_bytes(v):>10}" for k, v in memory.items()),
         "",
         "  communication per rank (ring formulas, payload on the wire):",

@@ -54,7 +54,7 @@ class Trainer:
         self.train_source, self.valid_samples = self._load_data()
         self.groups = build_process_groups(layout, self.device.type)
         self.backend = make_backend(cfg.parallel.backend, cfg.model, self.groups, self.device,
-                                    seed=t.seed, bf16=t.bf16)
+                                    seed=t.seed, bf16=t.bf16, recompute_activations=t.recompute_activations)
         self.optimizer = build_optimizer(self.backend.model.named_parameters(), t)
         self.ledger = CommLedger()
         self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
