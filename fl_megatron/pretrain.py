@@ -21,9 +21,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _fail(f"--world-size {cfg.parallel.world_size} does not match the launcher's "
                          f"WORLD_SIZE={env.world_size}")
         world = cfg.parallel.world_size
-    local_world = None if dry_run and cfg.parallel.world_size else env.local_world_size
-    if dry_run and cfg.parallel.ranks_per_node is None and "LOCAL_WORLD_SIZE" not in os.environ:
-        local_world = None
+    # a dry run plans for --world-size, not for the processes that happen to run it
+    planning = dry_run and (cfg.parallel.world_size or "LOCAL_WORLD_SIZE" not in os.environ)
+    local_world = None if planning else env.local_world_size
     try:
         layout = cfg.validate(world, local_world)
         accum = cfg.accumulation_steps(world)

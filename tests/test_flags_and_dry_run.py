@@ -68,8 +68,9 @@ def test_dry_run_of_the_published_layouts(name, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "8,030,261,248 parameters" in out
     assert "512 ranks on 128 nodes x 4" in out
-    layout = make_layout(512, 4, group_size=int(dict(zip(argv[::1], argv[1:])).get("--fl-group-size", 512)),
-                         shard_size=int(dict(zip(argv, argv[1:])).get("--fl-hsdp-shard-size", 0)) or None)
+    flag_values = dict(zip(argv, argv[1:]))
+    layout = make_layout(512, 4, group_size=int(flag_values.get("--fl-group-size", 512)),
+                         shard_size=int(flag_values.get("--fl-hsdp-shard-size", 0)) or None)
     if layout.is_federated:
         assert "all_reduce_peers" in out
         assert sync_comm(layout, count_parameters(get_preset("llama3.1-8b"))).total_bytes > 0

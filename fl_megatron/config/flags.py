@@ -75,7 +75,7 @@ def _apply(target, values: dict, where: str) -> None:
         ftype = _field_type(cls, fields[key])
         if value is not None:
             ok = isinstance(value, ftype) if ftype is not float else isinstance(value, (int, float))
-            if ftype is int and isinstance(value, bool) or ftype is not bool and isinstance(value, bool):
+            if isinstance(value, bool) and ftype is not bool:
                 ok = False
             if not ok:
                 raise ValueError(f"{where}.{key}: expected {ftype.__name__}, got {value!r}")

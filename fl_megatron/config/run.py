@@ -60,7 +60,6 @@ class RunConfig:
         """Check every section and their combination for `world_size` ranks; return the layout."""
         for name in SECTIONS:
             getattr(self, name).validate()
-        self.federation.validate()
         layout = self.layout(world_size, local_world_size)
         self.accumulation_steps(world_size)
         t, m = self.training, self.model

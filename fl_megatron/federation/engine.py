@@ -70,14 +70,10 @@ class FederationEngine:
 
     def _global_metrics(self, stats: SyncStats) -> tuple[float, float]:
         """Variance across groups and parameter rms, pooled over every rank's sample."""
-        totals = torch.tensor([stats.sq_dev_sum, stats.sq_mean_sum, float(stats.samples)], dtype=torch.float64)
-        if totals.device.type != self._device_type():
-            totals = totals.to(self._device_type())
+        totals = torch.tensor([stats.sq_dev_sum, stats.sq_mean_sum, float(stats.samples)],
+                              dtype=torch.float64, device=self.groups.mesh.device_type)
         dist.all_reduce(totals)
         sq_dev, sq_mean, count = totals.tolist()
         if count == 0:
             return 0.0, 0.0
         return sq_dev / count, (sq_mean / count) ** 0.5
-
-    def _device_type(self) -> str:
-        return self.groups.mesh.device_type

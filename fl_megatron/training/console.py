@@ -2,6 +2,10 @@
 
 import sys
 
+from ..config.parallel import FederationConfig
+from ..config.training import TrainingConfig
+from ..topology import Layout
+
 
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
@@ -24,3 +28,21 @@ def progress_line(record: dict, total_steps: int, eta_seconds: float) -> str:
 def say(text: str, enabled: bool = True) -> None:
     if enabled:
         print(text, file=sys.stdout, flush=True)
+
+
+def batch_line(t: TrainingConfig, accum: int, layout: Layout) -> str:
+    """Samples per rank, per group step and over all ranks (banner and dry run)."""
+    per_rank = t.micro_batch_size * accum
+    return (f"  batch: micro {t.micro_batch_size} x {accum} accumulation = {per_rank} samples per rank, "
+            f"{per_rank * layout.group_size} per group step, {per_rank * layout.world_size} over all ranks "
+            f"({per_rank * layout.world_size * t.seq_length:,} tokens of seq {t.seq_length} per step)")
+
+
+def federation_line(layout: Layout, fed: FederationConfig) -> str:
+    """When and how the groups are averaged (banner and dry run)."""
+    if not layout.is_federated:
+        return "  federation: none (a single group)"
+    if not fed.syncing:
+        return "  federation: averaging disabled (independent groups)"
+    split = f", {'replica split' if fed.replica_split else 'naive'} HSDP averaging" if layout.is_hsdp else ""
+    return f"  federation: average every {fed.sync_interval} steps and after the last{split}"

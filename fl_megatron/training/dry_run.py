@@ -9,6 +9,7 @@ from ..config import RunConfig
 from ..costs import average_per_step, estimate_memory_per_rank, format_bytes, step_comm, sync_comm
 from ..models import build_model
 from ..topology import Layout
+from .console import batch_line, federation_line
 
 
 def _breakdown_lines(title: str, breakdown) -> list[str]:
@@ -42,17 +43,13 @@ def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
     amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=4,
                                  master_bytes=4, replica_split=fed.replica_split,
                                  micro_batches=accum)
-    per_rank_batch = t.micro_batch_size * accum
     lines = [
         "fl-megatron dry run (no processes started)",
         *("  " + line for line in layout.describe().splitlines()),
         f"  model: {cfg.preset or m.arch}, {num_params:,} parameters ({m.num_layers} layers, hidden "
         f"{m.hidden_size}, ffn {m.ffn_hidden_size}, heads {m.num_attention_heads}/{m.kv_heads} kv, vocab {m.vocab_size})",
-        f"  batch: micro {t.micro_batch_size} x {accum} accumulation = {per_rank_batch} samples per rank, "
-        f"{per_rank_batch * layout.group_size} per group step, {per_rank_batch * layout.world_size} over all ranks "
-        f"({per_rank_batch * layout.world_size * t.seq_length:,} tokens per step)",
-        "  federation: " + (f"average every {h} steps" if h else "no averaging")
-        + (f", {'replica split' if fed.replica_split else 'naive'} HSDP averaging" if layout.is_hsdp and h else ""),
+        batch_line(t, accum, layout),
+        federation_line(layout, fed),
         "",
         f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}"
         f"{', activations recomputed' if t.recompute_activations else ''}):",

@@ -17,7 +17,7 @@ from ..config.flags import config_to_json
 from ..data import BatchSource, SampleOrder, TokenSamples, eval_batches, prepare_demo_data
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from ..topology import Layout
-from .console import format_duration, progress_line, say
+from .console import batch_line, federation_line, format_duration, progress_line, say
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -63,34 +63,30 @@ class Trainer:
 
     # --- set-up ---------------------------------------------------------------------------
     def _banner(self) -> None:
+        if not self.is_writer:
+            return
         from ..models import count_parameters
         c, t, lay = self.cfg, self.cfg.training, self.layout
-        per_rank = t.micro_batch_size * self.accum
-        fed = c.federation
-        sync = (f"every {fed.sync_interval} steps and at the end" if fed.syncing and lay.is_federated
-                else "never (single group)" if not lay.is_federated else "disabled")
         lines = [
             "fl-megatron pretrain",
             *("  " + line for line in lay.describe().splitlines()),
             f"  model: {c.preset or c.model.arch} ({count_parameters(c.model):,} parameters), "
             f"backend {c.parallel.backend} on {self.device.type}, {'bf16' if t.bf16 else 'fp32'}",
-            f"  batch: {t.micro_batch_size} x {self.accum} micro-batches per rank, "
-            f"{per_rank * lay.group_size} samples per group step, {per_rank * lay.world_size} over all "
-            f"ranks, seq {t.seq_length}",
-            f"  federation average: {sync}"
-            + (f" ({'replica split' if fed.replica_split else 'naive'} HSDP averaging)" if lay.is_hsdp and lay.is_federated else ""),
+            batch_line(t, self.accum, lay),
+            federation_line(lay, c.federation),
             f"  {t.train_iters} steps of {t.optimizer}, lr {t.lr:g} ({t.lr_decay_style}, warm-up {t.lr_warmup_iters}), "
             f"run dir {t.run_dir}",
         ]
-        say("\n".join(lines), self.is_writer)
+        say("\n".join(lines))
 
     def _load_data(self) -> tuple[BatchSource, TokenSamples]:
         d, t = self.cfg.data, self.cfg.training
         cache = Path(d.data_cache_dir) if d.data_cache_dir else default_cache_dir()
-        if self.is_writer:
-            prepare_demo_data(cache, d.tokenizer_vocab_size)  # builds the cache once
+        # rank 0 builds the cache once; the others load it after the barrier
+        data = prepare_demo_data(cache, d.tokenizer_vocab_size) if self.is_writer else None
         dist.barrier()
-        data = prepare_demo_data(cache, d.tokenizer_vocab_size)
+        if data is None:
+            data = prepare_demo_data(cache, d.tokenizer_vocab_size)
         train = TokenSamples(data.train_tokens, t.seq_length)
         valid = TokenSamples(data.valid_tokens, t.seq_length)
         order = SampleOrder(len(train), t.seed)
