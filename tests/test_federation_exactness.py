@@ -10,41 +10,16 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.local_ranks import run_ranks
-from fl_test_utils import make_trainer, tiny_config
+from fl_test_utils import direct_variance, make_trainer, max_diff, peers_identical, tiny_config, train_and_gather
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def _train(cfg) -> dict:
-    trainer = make_trainer(cfg)
-    trainer.train()
-    state = trainer.backend.full_state_dict()
-    trainer.close()
-    return trainer, state
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _peers_identical(trainer) -> bool:
-    """Whether this rank's shards equal, bit for bit, those of every peer in other groups."""
-    same = True
-    for shard in trainer.backend.local_shards():
-        gathered = [torch.empty_like(shard) for _ in range(trainer.layout.num_groups)]
-        dist.all_gather(gathered, shard.contiguous(), group=trainer.groups.peer)
-        same &= all(torch.equal(g, gathered[0]) for g in gathered)
-    flag = torch.tensor([1.0 if same else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _fsdp_job(rank, world, tmp, cache):
     out = {}
-    _, ref = _train(tiny_config(f"{tmp}/ref", cache, group_size=4))
-    fl_trainer, fl = _train(tiny_config(f"{tmp}/fl", cache, group_size=2, sync_interval=1))
-    out["fl_vs_fsdp"] = _max_diff(fl, ref)
+    _, ref = train_and_gather(tiny_config(f"{tmp}/ref", cache, group_size=4))
+    fl_trainer, fl = train_and_gather(tiny_config(f"{tmp}/fl", cache, group_size=2, sync_interval=1))
+    out["fl_vs_fsdp"] = max_diff(fl, ref)
     # the payload of one sync is exactly this rank's shard bytes
     shard_bytes = sum(s.numel() * s.element_size() for s in fl_trainer.backend.local_shards())
     before = fl_trainer.ledger.by_scope["inter-group"]
@@ -57,10 +32,10 @@ def _fsdp_job(rank, world, tmp, cache):
     identical = []
     for step in range(3):
         trainer.step(step)
-        identical.append(_peers_identical(trainer))
+        identical.append(peers_identical(trainer))
     out["identical_after_steps_1_2_3"] = identical
     # the variance metric against a direct computation from all groups' shards
-    out["variance"] = (_direct_variance(trainer), trainer.engine.sync(step=4).variance)
+    out["variance"] = (direct_variance(trainer), trainer.engine.sync(step=4).variance)
     # the per-step traffic measured by calibration equals FSDP2's collectives by closed form
     out["step_traffic"] = sum(trainer._step_traffic.by_tier.values())
     out["expected_step_traffic"] = _expected_fsdp_step_bytes(trainer)
@@ -75,24 +50,10 @@ def _fsdp_job(rank, world, tmp, cache):
         losses[bf16] = float(loss)
         if bf16:
             out["bf16_master_dtypes"] = {str(s.dtype) for s in t.backend.local_shards()}
-            out["bf16_synced_identical"] = sync is not None and _peers_identical(t)
+            out["bf16_synced_identical"] = sync is not None and peers_identical(t)
         t.close()
     out["bf16_vs_fp32_first_loss"] = (losses[True], losses[False])
     return out
-
-
-def _direct_variance(trainer) -> float:
-    """Mean over parameter elements of the population variance across groups, from gathered shards."""
-    sq, count = torch.zeros((), dtype=torch.float64), 0
-    for shard in trainer.backend.local_shards():
-        gathered = [torch.empty_like(shard) for _ in range(trainer.layout.num_groups)]
-        dist.all_gather(gathered, shard.contiguous(), group=trainer.groups.peer)
-        stacked = torch.stack(gathered).double()
-        sq += stacked.var(dim=0, unbiased=False).sum()
-        count += shard.numel()
-    totals = torch.tensor([float(sq), float(count)], dtype=torch.float64)
-    dist.all_reduce(totals)  # every group's rank holds the same values: the ratio is unchanged
-    return float(totals[0] / totals[1])
 
 
 def _expected_fsdp_step_bytes(trainer) -> int:
@@ -136,18 +97,18 @@ def test_fl_fsdp_equals_fsdp_and_syncs_are_exact(tmp_path):
 
 def _hsdp_job(rank, world, tmp, cache):
     out = {}
-    _, ref = _train(tiny_config(f"{tmp}/ref", cache, group_size=8))
-    split_trainer, split = _train(tiny_config(f"{tmp}/split", cache, group_size=4, shard_size=2))
-    naive_trainer, naive = _train(tiny_config(f"{tmp}/naive", cache, group_size=4, shard_size=2,
+    _, ref = train_and_gather(tiny_config(f"{tmp}/ref", cache, group_size=8))
+    split_trainer, split = train_and_gather(tiny_config(f"{tmp}/split", cache, group_size=4, shard_size=2))
+    naive_trainer, naive = train_and_gather(tiny_config(f"{tmp}/naive", cache, group_size=4, shard_size=2,
                                               replica_split=False))
-    out["split_vs_fsdp"] = _max_diff(split, ref)
-    out["naive_vs_fsdp"] = _max_diff(naive, ref)
-    out["split_vs_naive"] = _max_diff(split, naive)
+    out["split_vs_fsdp"] = max_diff(split, ref)
+    out["naive_vs_fsdp"] = max_diff(naive, ref)
+    out["split_vs_naive"] = max_diff(split, naive)
     shard_bytes = sum(s.numel() * s.element_size() for s in split_trainer.backend.local_shards())
     out["split_payload"] = (split_trainer.engine.sync(step=99).inter_group_bytes, shard_bytes,
                             len(split_trainer.engine.averager.plan(split_trainer.backend.local_shards())))
     out["naive_payload"] = (naive_trainer.engine.sync(step=99).inter_group_bytes, shard_bytes)
-    out["identical"] = _peers_identical(split_trainer)
+    out["identical"] = peers_identical(split_trainer)
     return out
 
 

@@ -1,5 +1,6 @@
 """The FSDP2 backend on a 1-rank group: flat shard storage and activation recomputation."""
 
+import pytest
 import torch
 
 from fl_megatron.backends import FSDP2Backend
@@ -51,3 +52,18 @@ def test_sharded_model_matches_the_unsharded_reference_and_shards_are_flat(world
     shards = backend.local_shards()
     assert len(shards) == 1
     assert shards[0].numel() == sum(p.numel() for p in reference.parameters())
+
+
+def test_clipping_scales_the_sharded_gradients_to_the_limit(world):
+    """Regression: the norm was computed but the DTensor gradients were left unscaled."""
+    cfg = _tiny()
+    groups = build_process_groups(make_layout(1), "cpu")
+    backend = FSDP2Backend(cfg, groups, torch.device("cpu"), seed=5)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    backend.forward(tokens).float().pow(2).mean().backward()
+    before = torch.cat([p.grad.to_local().reshape(-1) for p in backend.model.parameters()])
+    norm = backend.clip_grad_norm(0.01)
+    after = torch.cat([p.grad.to_local().reshape(-1) for p in backend.model.parameters()])
+    assert float(norm) == pytest.approx(float(before.norm()), rel=1e-5) and float(norm) > 0.01
+    assert float(after.norm()) == pytest.approx(0.01, rel=1e-4)
+    torch.testing.assert_close(after, before * (0.01 / (float(norm) + 1e-6)), rtol=1e-5, atol=0)

@@ -29,7 +29,7 @@ from fl_megatron.federation import FederationEngine, build_process_groups
 from fl_megatron.local_ranks import run_ranks
 from fl_megatron.models import count_parameters
 from fl_megatron.topology import make_layout
-from fl_megatron.training.optimizer import build_optimizer
+from fl_megatron.backends.optimizer import build_optimizer
 
 
 def model_config(args) -> ModelConfig:

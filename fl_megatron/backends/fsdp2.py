@@ -7,8 +7,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config.model import ModelConfig
+from ..config.training import TrainingConfig
 from ..federation.groups import ProcessGroups
 from ..models import build_model, initial_rows
+from .optimizer import build_optimizer, set_learning_rate
 
 
 def _shard_count(param: DTensor) -> int:
@@ -128,8 +130,26 @@ class FSDP2Backend:
         """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""
 
     # --- what the trainer needs ------------------------------------------------------------
+    def attach_optimizer(self, training: TrainingConfig) -> None:
+        """Create the group's inner optimizer over the sharded parameters."""
+        self.optimizer = build_optimizer(self.model.named_parameters(), training)
+        self.clip_grad = training.clip_grad
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
+
+    def backward(self, loss: torch.Tensor, accumulation: int, last: bool) -> None:
+        """Backward of one micro-batch's mean loss; gradients are reduced on the last one."""
+        self.set_gradient_sync(last)
+        (loss / accumulation).backward()
+
+    def optimizer_step(self, lr: float) -> tuple[torch.Tensor, float]:
+        """Clip, step at learning rate `lr`, clear gradients. Returns (gradient norm, lr used)."""
+        set_learning_rate(self.optimizer, lr)
+        norm = self.clip_grad_norm(self.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, lr
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Skip (False) or do (True) the gradient reduce-scatter, for gradient accumulation."""
@@ -140,10 +160,13 @@ class FSDP2Backend:
 
         Returns a plain 0-dim tensor (no host synchronisation until the caller reads it).
         """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+            # (get_total_norm + clip_grads_with_norm_ on DTensor gradients computes the norm but
+            # leaves the gradients unscaled in torch 2.13; clip_grad_norm_ scales them)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=2.0)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

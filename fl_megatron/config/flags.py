@@ -10,12 +10,14 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .deepspeed_json import check_against_flags, load_deepspeed_json, split_deepspeed_json
 from .run import SECTIONS, RunConfig
 
 # Flags whose names differ from "--" + field name with dashes.
 FLAG_NAMES = {
     ("model", "norm_eps"): "--norm-epsilon",
     ("parallel", "world_size"): "--world-size",
+    ("parallel", "deepspeed_config"): "--deepspeed_config",  # DeepSpeed's own spelling
 }
 SECTION_PREFIX = {"federation": "fl-"}
 
@@ -45,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(shape flags override it)")
     run.add_argument("--dry-run", action="store_true",
                      help="validate, print the layout, parameter count, memory and communication estimates, exit")
+    run.add_argument("--deepspeed", dest="parallel.backend", action="store_const", const="deepspeed",
+                     help="use the DeepSpeed ZeRO-3 backend (same as --backend deepspeed)")
+    run.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, metavar="N",
+                     help="accepted for the deepspeed launcher without --no_local_rank; the local rank "
+                          "is read from the environment")
     defaults = RunConfig()
     for section in SECTIONS:
         cls = type(getattr(defaults, section))
@@ -95,10 +102,10 @@ def load_json(path: str) -> dict:
         raise ValueError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: the top level must be an object with sections {', '.join(SECTIONS)}")
-    unknown = sorted(set(data) - set(SECTIONS))
+    unknown = sorted(set(data) - set(SECTIONS) - {"deepspeed"})
     if unknown:
         raise ValueError(f"config file {path}: unknown section(s) {', '.join(unknown)}; "
-                         f"valid sections are {', '.join(SECTIONS)}")
+                         f"valid sections are {', '.join(SECTIONS)} and deepspeed (an inline DeepSpeed config)")
     return data
 
 
@@ -120,6 +127,7 @@ def config_from_sources(json_data: Optional[dict], flags: dict, preset: Optional
         if not isinstance(values, dict):
             raise ValueError(f"{where}: section {section!r} must be an object")
         _apply(getattr(cfg, section), values, f"{where}: {section}")
+    _apply_deepspeed(cfg, json_data, flags, where)
     by_section: dict = {}
     for dest, value in flags.items():
         section, name = dest.split(".", 1)
@@ -127,6 +135,30 @@ def config_from_sources(json_data: Optional[dict], flags: dict, preset: Optional
     for section, values in by_section.items():
         _apply(getattr(cfg, section), values, "flags")
     return cfg
+
+
+def _apply_deepspeed(cfg: RunConfig, json_data: dict, flags: dict, where: str) -> None:
+    """Merge a DeepSpeed config (file from --deepspeed_config, or inline 'deepspeed' section)."""
+    path = flags.get("parallel.deepspeed_config") or cfg.parallel.deepspeed_config
+    inline = json_data.get("deepspeed")
+    if path and inline is not None:
+        raise ValueError(f"{where}: both a 'deepspeed' section and deepspeed_config={path} were given; use one")
+    if not path and inline is None:
+        return
+    if inline is not None and not isinstance(inline, dict):
+        raise ValueError(f"{where}: section 'deepspeed' must be an object")
+    ds_where = path or f"{where}: deepspeed"
+    raw = load_deepspeed_json(path) if path else inline
+    federation, training, passthrough = split_deepspeed_json(raw, ds_where)
+    check_against_flags(training, flags, "scheduler" in passthrough, ds_where)
+    _apply(cfg.federation, federation, f"{ds_where}: federation")
+    _apply(cfg.training, training, f"{ds_where}")
+    cfg.deepspeed = passthrough
+    backend = flags.get("parallel.backend")
+    if backend not in (None, "deepspeed"):
+        raise ValueError(f"--backend {backend} contradicts the DeepSpeed config {ds_where}; "
+                         "drop one of them")
+    cfg.parallel.backend = "deepspeed"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, argparse.Namespace]:

@@ -3,14 +3,18 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
-BACKENDS = ("fsdp2",)
+BACKENDS = ("fsdp2", "deepspeed")
 
 
 @dataclass
 class ParallelConfig:
     """Where the ranks are and which sharding backend trains inside a federation group."""
 
-    backend: str = field(default="fsdp2", metadata={"help": "sharding backend inside a group: fsdp2"})
+    backend: str = field(default="fsdp2", metadata={"help": "sharding backend inside a group: fsdp2 (PyTorch FSDP2) or deepspeed "
+                                                        "(ZeRO-3; default when --deepspeed_config is given)"})
+    deepspeed_config: Optional[str] = field(
+        default=None, metadata={"help": "DeepSpeed JSON config (ZeRO-3, bf16, optimizer, batch sizes, ...) with "
+                                        "an optional 'federation' block; implies --backend deepspeed"})
     world_size: Optional[int] = field(
         default=None, metadata={"help": "number of ranks; taken from the launcher (WORLD_SIZE) "
                                         "unless --dry-run is planning a larger run"})

@@ -6,6 +6,7 @@ from typing import Optional
 
 from ..topology import Layout, make_layout
 from .data import DataConfig
+from .deepspeed_json import train_batch_problem
 from .model import ModelConfig
 from .parallel import FederationConfig, ParallelConfig
 from .training import TrainingConfig
@@ -23,11 +24,18 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     preset: Optional[str] = None
+    # The DeepSpeed config minus what became settings above (its 'federation' block); the
+    # DeepSpeed backend passes it to the engine. None when no DeepSpeed config was given.
+    deepspeed: Optional[dict] = None
 
     def to_dict(self) -> dict:
         """Plain-JSON form; loading it back gives the same configuration."""
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         out["model"]["preset"] = self.preset
+        if self.deepspeed is not None:
+            # inline, so that the file is self-contained
+            out["parallel"]["deepspeed_config"] = None
+            out["deepspeed"] = self.deepspeed
         return out
 
     def layout(self, world_size: int, local_world_size: Optional[int] = None) -> Layout:
@@ -61,7 +69,14 @@ class RunConfig:
         for name in SECTIONS:
             getattr(self, name).validate()
         layout = self.layout(world_size, local_world_size)
-        self.accumulation_steps(world_size)
+        accumulation = self.accumulation_steps(world_size)
+        if self.deepspeed is not None and self.parallel.backend != "deepspeed":
+            raise ValueError(f"a DeepSpeed config was given but backend={self.parallel.backend!r}; "
+                             "drop --backend or use --backend deepspeed")
+        problem = train_batch_problem(self.deepspeed, self.training.micro_batch_size, accumulation,
+                                      layout.group_size)
+        if problem:
+            raise ValueError(problem)
         t, m = self.training, self.model
         if t.seq_length > m.max_position_embeddings:
             raise ValueError(f"seq_length={t.seq_length} exceeds the model's max_position_embeddings="

@@ -21,7 +21,6 @@ from .console import batch_line, federation_line, format_duration, progress_line
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
-from .optimizer import build_optimizer, set_learning_rate
 from .run_files import RunFiles
 
 
@@ -53,9 +52,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data()
         self.groups = build_process_groups(layout, self.device.type)
-        self.backend = make_backend(cfg.parallel.backend, cfg.model, self.groups, self.device,
-                                    seed=t.seed, bf16=t.bf16, recompute_activations=t.recompute_activations)
-        self.optimizer = build_optimizer(self.backend.model.named_parameters(), t)
+        self.backend = make_backend(cfg, self.groups, self.device)
         self.ledger = CommLedger()
         self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
         self._step_traffic = _Calibrated()
@@ -99,26 +96,24 @@ class Trainer:
         logits = self.backend.forward(batch[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
-    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over the micro-batches, clip, optimizer step. Returns (loss, grad norm)."""
+    def _train_step(self, step: int, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Forward/backward over the micro-batches, clip, optimizer step.
+
+        Returns (loss, grad norm, learning rate used)."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
-            self.backend.set_gradient_sync(micro == self.accum - 1)
             loss = self._loss(self.train_source.micro_batch(self.env.rank, step, micro))
-            (loss / self.accum).backward()
+            self.backend.backward(loss, self.accum, last=micro == self.accum - 1)
             total += loss.detach()
-        norm = self.backend.clip_grad_norm(self.cfg.training.clip_grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total / self.accum, norm
+        norm, lr = self.backend.optimizer_step(lr)
+        return total / self.accum, norm, lr
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, Optional[SyncResult]]:
         """Optimizer step `step` (0-based) and the sync after it when due.
 
         Returns (loss, grad norm, learning rate, sync result or None)."""
         lr = learning_rate(step, self.cfg.training)
-        set_learning_rate(self.optimizer, lr)
-        loss, norm = self._measured(self._step_traffic, lambda: self._train_step(step))
+        loss, norm, lr = self._measured(self._step_traffic, lambda: self._train_step(step, lr))
         done = step + 1
         sync = self.engine.after_step(done, last=done == self.cfg.training.train_iters)
         return loss, norm, lr, sync

@@ -5,15 +5,20 @@ import torch
 from ..config.training import TrainingConfig
 
 
-def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay applies to matrices only (not to norms, biases)."""
+def parameter_groups(named_params, weight_decay: float) -> list[dict]:
+    """Weight decay for matrices only (not for norms and biases); empty groups left out."""
     decay, no_decay = [], []
     for _, param in named_params:
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+    groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over `parameter_groups`."""
+    groups = parameter_groups(named_params, cfg.weight_decay)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if cfg.optimizer == "sgd":
@@ -21,7 +26,6 @@ def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_learning_rate(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-

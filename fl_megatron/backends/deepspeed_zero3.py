@@ -1,0 +1,247 @@
+"""DeepSpeed ZeRO-3 inside each federation group; FL+HSDP as ZeRO-3 over the shard group with
+the gradient partitions averaged across the group's replicas before each optimizer step.
+
+ZeRO-3 keeps, per optimizer sub-group, one flat fp32 master partition
+(`fp32_partitioned_groups_flat`) and one flat working partition in the compute dtype
+(`fp16_partitioned_groups_flat`, of which every `param.ds_tensor` is a view). Parameters
+smaller than `stage3_param_persistence_threshold` also stay gathered in full ("persistent").
+The engine averages the fp32 masters in place (the optimizer state is keyed by those tensor
+objects), then `refresh_after_sync` re-derives the working partitions and the persistent
+parameters the way `step()` does.
+"""
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from ..config.deepspeed_json import engine_config
+from ..federation.groups import ProcessGroups
+from ..models import build_model, initial_rows
+from .optimizer import build_optimizer, parameter_groups, set_learning_rate
+
+MIN_VERSION = (0, 19, 8)
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("the deepspeed backend needs DeepSpeed: pip install 'fl-megatron[deepspeed]' "
+                          f"(or pip install deepspeed>=0.19.8) ({e})") from None
+    version = tuple(int(x) for x in deepspeed.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+    if version < MIN_VERSION:
+        raise ImportError(f"DeepSpeed {deepspeed.__version__} is too old; the deepspeed backend needs "
+                          f">= {'.'.join(map(str, MIN_VERSION))}")
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)  # fl-megatron prints its own progress
+    # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per call: not the user's concern
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    return deepspeed
+
+
+def _skip_cpu_shm_build(deepspeed) -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce kernel (about a minute) when its
+    communication layer starts; it serves only inference all-reduces, which training never
+    calls, so mark it unavailable and let collectives go through torch.distributed."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        import deepspeed.ops as ops
+
+        ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class GroupMpu:
+    """What `deepspeed.initialize(mpu=...)` asks: ZeRO-3's data-parallel group is the given
+    group (the federation group, or the HSDP shard group), and there is no model parallelism."""
+
+    def __init__(self, data_parallel_group: dist.ProcessGroup, model_parallel_group: dist.ProcessGroup):
+        self._dp, self._mp = data_parallel_group, model_parallel_group
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp)
+
+    def get_model_parallel_group(self):
+        return self._mp
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+class DeepSpeedBackend:
+    """A DeepSpeed engine (ZeRO stage 3) over this rank's shard group, initialised from the
+    sharding-independent seeded weights; FL+HSDP adds a replica all-reduce of the gradients."""
+
+    def __init__(self, cfg, groups: ProcessGroups, device: torch.device) -> None:
+        deepspeed = _import_deepspeed()
+        _skip_cpu_shm_build(deepspeed)
+        # DeepSpeed's communication layer wraps the process group torch.distributed already has
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        layout, t = groups.layout, cfg.training
+        self.groups, self.model_cfg, self.device = groups, cfg.model, device
+        self.shard_group = groups.mesh.get_group("shard")
+        self.replica_group = groups.replica if layout.is_hsdp else None
+        # every rank creates every singleton group, in the same order
+        own_singleton, _ = dist.new_subgroups(group_size=1)
+        mpu = GroupMpu(self.shard_group, own_singleton)
+        accumulation = cfg.accumulation_steps(layout.world_size)
+        ds_config = engine_config(cfg.deepspeed, t, layout.shard_size, t.train_iters, accumulation)
+        client_optimizer = None
+        if device.type == "cpu":
+            ds_config["optimizer"]["params"].setdefault("torch_adam", True)  # no FusedAdam build on CPU
+        if t.optimizer == "sgd":  # DeepSpeed has no built-in SGD: hand it torch's
+            ds_config.pop("optimizer")
+            ds_config["zero_allow_untested_optimizer"] = True
+        self.ds_config = ds_config
+
+        with deepspeed.zero.Init(data_parallel_group=self.shard_group, config_dict_or_path=ds_config, mpu=mpu):
+            model = build_model(cfg.model, device=device)
+        if t.recompute_activations:
+            for i, block in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(block)
+        if t.optimizer == "sgd":
+            client_optimizer = build_optimizer(model.named_parameters(), t)
+            params = None
+        else:
+            params = parameter_groups(model.named_parameters(), t.weight_decay)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, optimizer=client_optimizer, config=ds_config,
+            mpu=mpu, dist_init_required=False)
+        self.engine, self.optimizer, self.scheduler = engine, optimizer, scheduler
+        self.model = engine.module
+        self._check_internals()
+        self._names = {id(p): name for name, p in self.model.named_parameters()}
+        self._dp_rank = dist.get_rank(self.shard_group)
+        self._dp_size = dist.get_world_size(self.shard_group)
+        self._materialise(t.seed)
+
+    def _check_internals(self) -> None:
+        """Fail clearly if this DeepSpeed keeps its partitions somewhere else."""
+        opt = self.optimizer
+        missing = [a for a in ("fp16_groups", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat",
+                               "grad_partitions_flat_buffer", "persistent_parameters",
+                               "_reassign_or_swap_out_partitioned_parameters", "invalidate_secondary_tensor")
+                   if not hasattr(opt, a)]
+        if missing:
+            raise RuntimeError(f"DeepSpeed's ZeRO-3 optimizer ({type(opt).__name__}) lacks {', '.join(missing)}; "
+                               "this DeepSpeed version is not supported by federated averaging")
+        if any(flat is None for flat in opt.fp16_partitioned_groups_flat):
+            raise RuntimeError("ZeRO-3 partitions are swapped out (NVMe offload): not supported")
+
+    def _param_spans(self):
+        """(sub-group, param, offset in the flat partition, partition size, valid elements) for
+        every parameter: rank r of the shard group holds elements [r*size, (r+1)*size) of the
+        flattened parameter; the tail past the parameter's end is padding."""
+        opt = self.optimizer
+        for i, params in enumerate(opt.fp16_groups):
+            flat = opt.fp16_partitioned_groups_flat[i]
+            for p in params:
+                size = p.ds_tensor.ds_numel
+                offset = (p.ds_tensor.data_ptr() - flat.data_ptr()) // flat.element_size()
+                if not 0 <= offset <= flat.numel() - size:
+                    raise RuntimeError(f"parameter {self._names.get(id(p))} is not inside its flat partition")
+                valid = max(0, min(size, p.ds_numel - self._dp_rank * size))
+                yield i, p, offset, size, valid
+
+    @torch.no_grad()
+    def _materialise(self, seed: int) -> None:
+        """Write each rank's piece of the seeded initial weights into the fp32 masters, zero all
+        padding (DeepSpeed leaves it uninitialised, and it differs between groups), then derive
+        the working partitions and persistent parameters from the masters."""
+        masters = self.optimizer.fp32_partitioned_groups_flat
+        used = [torch.zeros(m.numel(), dtype=torch.bool) for m in masters]
+        for i, p, offset, size, valid in self._param_spans():
+            if not valid:
+                continue
+            name = self._names[id(p)]
+            shape = tuple(p.ds_shape)
+            row = p.ds_numel // shape[0] if shape else 1
+            start = self._dp_rank * size
+            first, last = start // row, -(-(start + valid) // row)
+            rows = initial_rows(self.model_cfg, name, shape, seed, first, last).reshape(-1)
+            masters[i][offset:offset + valid].copy_(rows[start - first * row:start - first * row + valid])
+            used[i][offset:offset + valid] = True
+        for master, working, mask in zip(masters, self.optimizer.fp16_partitioned_groups_flat, used):
+            master[~mask.to(master.device)] = 0
+            working[~mask.to(working.device)] = 0
+        self.refresh_after_sync()
+
+    # --- the engine's contract -------------------------------------------------------------
+    def local_shards(self) -> list[torch.Tensor]:
+        """The flat fp32 master partitions, one per optimizer sub-group (updated in place)."""
+        return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    @torch.no_grad()
+    def refresh_after_sync(self) -> None:
+        """Copy masters into the working partitions, re-gather the persistent parameters
+        (partition first: a bare all-gather skips parameters it thinks are up to date) and drop
+        ZeRO++ hpZ's secondary copies, as `step()` does after an update."""
+        opt = self.optimizer
+        for i in range(len(opt.fp16_groups)):
+            opt._reassign_or_swap_out_partitioned_parameters(i)
+        persistent = opt.persistent_parameters
+        if persistent:
+            persistent[0].partition(persistent)
+            persistent[0].all_gather(persistent)
+        opt.invalidate_secondary_tensor()
+
+    # --- what the trainer needs ------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.engine(input_ids)
+
+    def backward(self, loss: torch.Tensor, accumulation: int, last: bool) -> None:
+        """Backward of one micro-batch's mean loss (DeepSpeed divides by the accumulation steps
+        and reduce-scatters over the shard group). Under HSDP, on the last micro-batch, the
+        accumulated gradient partitions are averaged over the replicas, before the optimizer
+        step computes the norm it clips with."""
+        if self.engine.is_gradient_accumulation_boundary() != last:
+            raise RuntimeError("DeepSpeed's micro-step counter disagrees with the trainer's "
+                               f"({accumulation} micro-batches per step)")
+        self.engine.backward(loss)
+        if not last:
+            self.engine.step()  # only advances DeepSpeed's micro-step counter
+        elif self.replica_group is not None:
+            dist.all_reduce(self.optimizer.grad_partitions_flat_buffer, op=dist.ReduceOp.AVG,
+                            group=self.replica_group)
+
+    def optimizer_step(self, lr: float) -> tuple[torch.Tensor, float]:
+        """DeepSpeed's step (clipping, update, persistent re-gather). The learning rate is `lr`
+        unless the DeepSpeed config has a scheduler, which then sets it. Returns (norm, lr used)."""
+        if self.scheduler is None:
+            set_learning_rate(self.optimizer, lr)
+        else:
+            lr = self.engine.get_lr()[0]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return torch.tensor(float(norm if norm is not None else float("nan")), device=self.device), lr
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters rebuilt from the master partitions of the shard group (small
+        models and tests only)."""
+        masters = self.optimizer.fp32_partitioned_groups_flat
+        out = {}
+        for i, p, offset, size, _ in self._param_spans():
+            piece = masters[i][offset:offset + size].contiguous()
+            pieces = [torch.empty_like(piece) for _ in range(self._dp_size)]
+            dist.all_gather(pieces, piece, group=self.shard_group)
+            out[self._names[id(p)]] = torch.cat(pieces)[:p.ds_numel].view(tuple(p.ds_shape)).cpu()
+        return {name: out[name] for name, _ in self.model.named_parameters()}
