@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench dry-run clean
+.PHONY: demo demo-deepspeed test bench dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -29,6 +29,17 @@ $(VENV)/.test-extras: setup.py $(VENV)/.package
 demo: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_RANKS) \
 		-m fl_megatron.pretrain --config examples/demo.json $(ARGS)
+
+$(VENV)/.deepspeed: setup.py $(VENV)/.package
+	$(BIN)/python -m pip install -q -e ".[deepspeed]"
+	touch $@
+
+# The same demo on the DeepSpeed ZeRO-3 backend, under the deepspeed launcher (on CPU:
+# --num_gpus sets the process count; --no_local_rank keeps the command line as typed).
+demo-deepspeed: $(VENV)/.deepspeed
+	PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(DEMO_RANKS) --no_local_rank \
+		--master_addr 127.0.0.1 --module fl_megatron.pretrain --config examples/demo.json --backend deepspeed \
+		--run-dir runs/demo-deepspeed $(ARGS)
 
 test: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)

@@ -20,7 +20,10 @@ setup(
         "sentencepiece>=0.2",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4"],
+        # the DeepSpeed backend reads ZeRO-3's partitions: 0.19.8 is the version it is tested with
+        "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
+                 "deepspeed==0.19.8"],
     },
     entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},
 )

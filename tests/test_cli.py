@@ -1,5 +1,6 @@
 """The command line end to end: torchrun jobs whose per-step losses must agree with references."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -24,12 +25,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pretrain(nproc: int, run_dir: Path, cache: Path, *flags: str) -> list[dict]:
-    """Run one torchrun job; return its metrics.jsonl records (training steps only)."""
+def run_pretrain(nproc: int, run_dir: Path, cache: Path, *flags: str, launcher: str = "torchrun") -> list[dict]:
+    """Run one job under torchrun or the deepspeed launcher; return its metrics.jsonl records
+    (training steps only)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", FL_MEGATRON_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "fl_megatron.pretrain", *TINY, "--run-dir", str(run_dir), *flags]
+    if launcher == "torchrun":
+        start = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m"]
+    else:  # on CPU: --num_gpus sets the process count, --no_local_rank keeps argv clean
+        start = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--no_local_rank",
+                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--module"]
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [*start, "fl_megatron.pretrain", *TINY, "--run-dir", str(run_dir), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -77,3 +84,32 @@ def test_sharded_adamw_with_clipping_equals_one_process_with_accumulation(tmp_pa
     assert sharded[0]["grad_norm"] > 0.5  # clipping was active
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["eval_loss"] is not None and summary["tokens"] == 4 * 4 * 2 * 32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_fsdp2_and_deepspeed_take_the_same_adamw_steps(tmp_path):
+    """Same initial weights and data, AdamW in fp32 with clipping, FL over 2 groups of 2 with
+    H = 4: FSDP2 under torchrun and ZeRO-3 under the deepspeed launcher (configured by a
+    DeepSpeed JSON with a federation block) log the same losses for 10 steps."""
+    common = ["--train-iters", "10", "--eval-iters", "0"]
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 4,
+        "gradient_clipping": 0.5, "bf16": {"enabled": False}, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.1}},
+        "federation": {"group_size": 2, "sync_interval": 4}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    fsdp2 = run_pretrain(4, tmp_path / "fsdp2", tmp_path / "cache", *common, "--optimizer", "adamw", "--lr", "0.003",
+                         "--clip-grad", "0.5", "--weight-decay", "0.1", "--fl-group-size", "2",
+                         "--fl-sync-interval", "4")
+    deepspeed = run_pretrain(4, tmp_path / "ds", tmp_path / "cache", *common, "--deepspeed_config",
+                             str(tmp_path / "ds.json"), launcher="deepspeed")
+    assert [r["step"] for r in deepspeed] == list(range(1, 11))
+    for a, b in zip(fsdp2, deepspeed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), (a, b)
+        assert a["synced"] == b["synced"]
+    assert [r["step"] for r in deepspeed if r["synced"]] == [4, 8, 10]
+    assert max(r["grad_norm"] for r in deepspeed) > 0.5  # clipping was active
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["parallel"]["backend"] == "deepspeed" and config["deepspeed"]["zero_optimization"]["stage"] == 3

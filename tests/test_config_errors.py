@@ -89,3 +89,61 @@ def test_malformed_json_names_file_and_line(launched, capsys, tmp_path):
 
 def test_missing_config_file(launched, capsys, tmp_path):
     _fails(capsys, ["--config", str(tmp_path / "absent.json")], "absent.json", "does not exist")
+
+
+def _ds_json(tmp_path, **overrides) -> str:
+    """A valid DeepSpeed config for BASE on 8 ranks, with top-level keys replaced."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 16,
+          "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+          "federation": {"group_size": 4, "sync_interval": 4}}
+    ds.update(overrides)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides,flags,needles", [
+    ({}, ["--micro-batch-size", "2"], ["contradicts the command line", "--micro-batch-size 2 vs 4"]),
+    ({}, ["--lr", "0.5"], ["--lr 0.5 vs 0.001"]),
+    ({}, ["--no-bf16"], ["--bf16 False vs True"]),
+    ({"train_batch_size": 32}, [], ["train_batch_size=32", "micro-batch 4 x accumulation 1 x group size 4 = 16"]),
+    ({"zero_optimization": {"stage": 2}}, [], ["zero_optimization.stage is 2", "ZeRO stage 3"]),
+    ({"fp16": {"enabled": True}}, [], ["fp16 and bf16 are both enabled"]),
+    ({"federation": {"group_size": 4, "sync_intervall": 4}}, [],
+     ["unknown key(s) sync_intervall in the federation block", "valid keys are", "sync_interval"]),
+    ({"federation": {"group_size": 3}}, [], ["group_size=3", "world_size=8", "valid group sizes"]),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}, [], ["mics_shard_size", "hsdp_shard_size"]),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}, [], ["zero_hpz_partition_size=3"]),
+    ({"optimizer": {"type": "Lamb", "params": {}}}, [], ["optimizer type 'Lamb' is not supported"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {}}}, ["--lr-warmup-iters", "3"],
+     ["'scheduler' block", "--lr-warmup-iters"]),
+    ({}, ["--backend", "fsdp2"], ["--backend fsdp2 contradicts the DeepSpeed config"]),
+])
+def test_deepspeed_config_errors_fail_before_process_groups(launched, capsys, tmp_path, overrides, flags, needles):
+    _fails(capsys, BASE + ["--deepspeed_config", _ds_json(tmp_path, **overrides)] + flags, *needles)
+
+
+def test_deepspeed_config_sets_the_run_and_fl_flags_override_its_federation_block(tmp_path):
+    from fl_megatron.config.flags import parse_args
+
+    path = _ds_json(tmp_path, gradient_accumulation_steps=2, train_batch_size=32)
+    cfg, _ = parse_args(BASE + ["--deepspeed_config", path, "--fl-sync-interval", "2", "--lr", "0.001"])
+    assert cfg.parallel.backend == "deepspeed"
+    t = cfg.training
+    assert (t.micro_batch_size, t.gradient_accumulation_steps, t.bf16, t.clip_grad) == (4, 2, True, 1.0)
+    assert (t.optimizer, t.lr, t.adam_beta2, t.weight_decay) == ("adamw", 1e-3, 0.95, 0.1)
+    assert (cfg.federation.group_size, cfg.federation.sync_interval) == (4, 2)
+    assert "federation" not in cfg.deepspeed and cfg.deepspeed["zero_optimization"] == {"stage": 3}
+    assert cfg.validate(8, 4).num_groups == 2
+    # what DeepSpeed gets: its data-parallel world is the ZeRO-3 group (here the federation group)
+    from fl_megatron.config.deepspeed_json import engine_config
+
+    engine = engine_config(cfg.deepspeed, t, data_parallel_size=4, steps=10, accumulation=2)
+    assert engine["train_batch_size"] == 4 * 2 * 4 and engine["optimizer"]["type"] == "AdamW"
+    # the run's config.json is self-contained and loads back to the same settings
+    from fl_megatron.config.flags import config_from_sources, config_to_json
+
+    again = config_from_sources(json.loads(config_to_json(cfg)), {})
+    assert again.to_dict() == cfg.to_dict()

@@ -6,11 +6,15 @@ from ..config.training import TrainingConfig
 
 
 def parameter_groups(named_params, weight_decay: float) -> list[dict]:
-    """Weight decay for matrices only (not for norms and biases); empty groups left out."""
+    """Weight decay for matrices only (not for norms and biases); empty groups left out.
+
+    A ZeRO-3 parameter's data is an empty placeholder once partitioned: its real shape is
+    `ds_shape`."""
     decay, no_decay = [], []
     for _, param in named_params:
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (decay if ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

@@ -77,6 +77,11 @@ class RunConfig:
                                       layout.group_size)
         if problem:
             raise ValueError(problem)
+        hpz = ((self.deepspeed or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1)
+        if not isinstance(hpz, int) or hpz < 1 or layout.shard_size % hpz:
+            raise ValueError(f"zero_optimization.zero_hpz_partition_size={hpz!r} must divide the ZeRO-3 "
+                             f"group ({layout.shard_size} ranks: the federation group, or the HSDP shard "
+                             "group), so that ZeRO++'s secondary copies stay inside it")
         t, m = self.training, self.model
         if t.seq_length > m.max_position_embeddings:
             raise ValueError(f"seq_length={t.seq_length} exceeds the model's max_position_embeddings="
