@@ -6,8 +6,6 @@ gradient). Syncs make groups bit-identical; between syncs they differ.
 """
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import direct_variance, make_trainer, max_diff, peers_identical, tiny_config, train_and_gather

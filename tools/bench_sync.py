@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark the federation sync and the memory it costs, side by side in one run (CPU, gloo).
 
-1. Sync overhead: the time of one federation sync (FL+FSDP, 2 groups of 2) divided by the time
-   of a bare all-reduce of the same bytes on the same peer groups (target <= 1.10); and for
-   FL+HSDP (2 groups of 2, 2 replicas x 1 shard) replica split against naive averaging.
-2. Memory: peak memory per rank of FL+FSDP (2 groups of 2, a sync every step) divided by that
+1. Sync overhead, for each backend (fsdp2, deepspeed): the time of one federation sync (FL+FSDP,
+   2 groups of 2) divided by the time of a bare all-reduce of the same bytes on the same peer
+   groups (target <= 1.10); and for FL+HSDP (2 groups of 2, 2 replicas x 1 shard) replica split
+   against naive averaging. Then the time of one training step (FL+FSDP, 2 groups of 2) of
+   deepspeed against fsdp2 for the same model and batch.
+2. Memory (fsdp2): peak memory per rank of FL+FSDP (2 groups of 2, a sync every step) divided by that
    of FSDP over one group of 2 for the same model and batch (target <= 1.05): the same shard
    size per rank, so the ratio is what federation itself adds.
 
@@ -23,13 +25,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from fl_megatron.backends import FSDP2Backend
-from fl_megatron.config import FederationConfig, ModelConfig, TrainingConfig
+from fl_megatron.backends import make_backend
+from fl_megatron.config import FederationConfig, ModelConfig, RunConfig
 from fl_megatron.federation import FederationEngine, build_process_groups
 from fl_megatron.local_ranks import run_ranks
 from fl_megatron.models import count_parameters
-from fl_megatron.topology import make_layout
-from fl_megatron.backends.optimizer import build_optimizer
 
 
 def model_config(args) -> ModelConfig:
@@ -37,6 +37,29 @@ def model_config(args) -> ModelConfig:
                        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_heads,
                        num_query_groups=args.num_heads // 2, vocab_size=args.vocab_size,
                        max_position_embeddings=args.seq_length)
+
+
+def run_config(args, backend: str, group_size: int, shard_size=None, world: int = 4) -> RunConfig:
+    """The benchmark's model and batch on `backend`, federated as given, a sync every step."""
+    cfg = RunConfig(model=model_config(args))
+    cfg.parallel.backend = backend
+    cfg.deepspeed = {} if backend == "deepspeed" else None
+    t = cfg.training
+    t.seq_length, t.micro_batch_size, t.lr, t.train_iters, t.seed = (
+        args.seq_length, args.micro_batch_size, 1e-4, 10_000, 1)
+    cfg.data.tokenizer_vocab_size = args.vocab_size
+    cfg.federation = FederationConfig(group_size=group_size, hsdp_shard_size=shard_size, sync_interval=1,
+                                      bucket_mb=args.bucket_mb)
+    cfg.validate(world, world)
+    return cfg
+
+
+def _build(args, world, backend_name, group_size, shard_size=None):
+    """(layout, process groups, backend) on this rank."""
+    cfg = run_config(args, backend_name, group_size, shard_size, world)
+    layout = cfg.layout(world, world)
+    groups = build_process_groups(layout, "cpu")
+    return cfg, groups, make_backend(cfg, groups, torch.device("cpu"))
 
 
 def _slowest(seconds: float) -> float:
@@ -52,12 +75,11 @@ def _timed(fn) -> float:
     return _slowest(time.perf_counter() - start)
 
 
-def sync_job(rank, world, args, group_size, shard_size):
+def sync_job(rank, world, args, backend_name, group_size, shard_size):
     """Median sync time (replica split and naive) against bare all-reduces of the same bytes."""
     torch.set_num_threads(1)
-    layout = make_layout(world, world, group_size=group_size, shard_size=shard_size)
-    groups = build_process_groups(layout, "cpu")
-    backend = FSDP2Backend(model_config(args), groups, torch.device("cpu"), seed=1)
+    _, groups, backend = _build(args, world, backend_name, group_size, shard_size)
+    layout = groups.layout
     engines = {split: FederationEngine(backend, groups, FederationConfig(
         group_size=group_size, hsdp_shard_size=shard_size, sync_interval=1, replica_split=split,
         bucket_mb=args.bucket_mb)) for split in ([True, False] if layout.is_hsdp else [True])}
@@ -87,32 +109,44 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _train_steps(rank, args, cfg, groups, backend, steps: int, sync_interval: int) -> list:
+    """Per-step seconds (slowest rank) of `steps` AdamW steps on random tokens, syncing every
+    `sync_interval` steps (0: never)."""
+    engine = FederationEngine(backend, groups, cfg.federation)
+    gen = torch.Generator().manual_seed(rank)
+    step_times = []
+    for step in range(steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        logits = backend.forward(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+        backend.backward(loss, 1, last=True)
+        backend.optimizer_step(1e-4)
+        if sync_interval and (step + 1) % sync_interval == 0:
+            engine.sync(step + 1)
+        step_times.append(_slowest(time.perf_counter() - start))
+    return step_times
+
+
 def memory_job(rank, world, args, group_size):
     """Peak RSS of a few training steps (a sync after each when federated)."""
     torch.set_num_threads(1)
     baseline = _rss_now()
-    layout = make_layout(world, world, group_size=group_size)
-    groups = build_process_groups(layout, "cpu")
-    cfg = model_config(args)
-    backend = FSDP2Backend(cfg, groups, torch.device("cpu"), seed=1)
-    optimizer = build_optimizer(backend.model.named_parameters(), TrainingConfig(lr=1e-4))
-    engine = FederationEngine(backend, groups, FederationConfig(group_size=group_size, sync_interval=1,
-                                                                bucket_mb=args.bucket_mb))
-    gen = torch.Generator().manual_seed(rank)
-    step_times = []
-    for step in range(args.memory_steps):
-        tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
-        start = time.perf_counter()
-        logits = backend.forward(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        backend.clip_grad_norm(1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        engine.after_step(step + 1, last=step + 1 == args.memory_steps)
-        step_times.append(time.perf_counter() - start)
+    cfg, groups, backend = _build(args, world, "fsdp2", group_size)
+    step_times = _train_steps(rank, args, cfg, groups, backend, args.memory_steps,
+                              1 if groups.layout.is_federated else 0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss": peak, "baseline_rss": baseline, "step_s": statistics.median(step_times[1:] or step_times)}
+
+
+def step_job(rank, world, args, backend_name):
+    """Median training-step time, FL+FSDP over 2 groups of 2, no syncs (the step alone)."""
+    torch.set_num_threads(1)
+    cfg, groups, backend = _build(args, world, backend_name, 2)
+    times = _train_steps(rank, args, cfg, groups, backend, args.warmup + args.repeats, 0)
+    return statistics.median(times[args.warmup:])
 
 
 def main(argv=None) -> int:
@@ -129,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=4)
     p.add_argument("--only", choices=("sync", "memory"), help="run one of the two parts")
+    p.add_argument("--backends", default="fsdp2,deepspeed",
+                   help="comma-separated backends for the sync part (deepspeed needs DeepSpeed installed)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -148,14 +184,28 @@ def main(argv=None) -> int:
 
 
 def sync_part(args, results: dict) -> None:
-    print("\n[1/2] sync time vs a bare all-reduce of the same bytes on the same peer groups", flush=True)
-    fsdp = run_ranks(4, sync_job, args, 2, None, timeout=1200)[0]
+    backends = [b for b in args.backends.split(",") if b]
+    for name in backends:
+        print(f"\n[1/2] {name}: sync time vs a bare all-reduce of the same bytes on the same peer groups", flush=True)
+        results[name] = _sync_report(args, name)
+    if len(backends) > 1:
+        steps = {name: run_ranks(4, step_job, args, name, timeout=1200)[0] for name in backends}
+        base = steps[backends[0]]
+        print(f"\n  training step (FL+FSDP, 2 groups of 2, micro-batch {args.micro_batch_size} x seq "
+              f"{args.seq_length}, median of {args.repeats}): " +
+              ", ".join(f"{n} {t * 1e3:.0f} ms ({t / base:.2f}x {backends[0]})" for n, t in steps.items()), flush=True)
+        results["step_seconds"] = steps
+
+
+def _sync_report(args, backend_name: str) -> dict:
+    results = {}
+    fsdp = run_ranks(4, sync_job, args, backend_name, 2, None, timeout=1200)[0]
     ratio = fsdp["median_s"]["sync_split=True"] / fsdp["median_s"]["bare_shard"]
     print(f"  FL+FSDP (2 groups of 2): sync {fsdp['median_s']['sync_split=True'] * 1e3:.1f} ms, bare all-reduce "
           f"{fsdp['median_s']['bare_shard'] * 1e3:.1f} ms of {fsdp['shard_bytes'] / 2**20:.1f} MiB "
           f"-> ratio {ratio:.3f} (target <= 1.10)", flush=True)
     results["fl_fsdp"] = dict(fsdp, ratio=ratio)
-    hsdp = run_ranks(4, sync_job, args, 2, 1, timeout=1200)[0]
+    hsdp = run_ranks(4, sync_job, args, backend_name, 2, 1, timeout=1200)[0]
     m = hsdp["median_s"]
     print(f"  FL+HSDP (2 groups of 2 = 2 replicas x 1 shard): replica split {m['sync_split=True'] * 1e3:.1f} ms "
           f"({hsdp['inter_group_bytes']['sync_split=True'] / 2**20:.1f} MiB inter-group), naive "
@@ -166,6 +216,7 @@ def sync_part(args, results: dict) -> None:
           f"split sync / bare all-reduce of its inter-group bytes: {m['sync_split=True'] / m['bare_slice']:.2f}x "
           f"(it also all-gathers the slices inside the group)", flush=True)
     results["fl_hsdp"] = hsdp
+    return results
 
 
 def memory_part(args, results: dict) -> None:

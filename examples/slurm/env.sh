@@ -4,8 +4,10 @@
 
 # Rendezvous: rank 0's node and a port on it (every rank reads both; a multi-node job must set them).
 if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]]; then
-    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # first node of the job
+    # first node of the job (pipefail off: scontrol may get SIGPIPE once head has its line)
+    MASTER_ADDR=$(set +o pipefail; scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 fi
+[[ -n ${MASTER_ADDR:-} ]] || { echo "fl-megatron env.sh: error: MASTER_ADDR is not set" >&2; exit 2; }
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-9500} % 20000))}  # per-job port: two jobs on a node do not clash
 

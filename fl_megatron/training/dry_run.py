@@ -25,6 +25,21 @@ def _breakdown_lines(title: str, breakdown) -> list[str]:
     return lines
 
 
+def _backend_line(cfg: RunConfig, layout: Layout) -> str:
+    """Which framework shards a group, and over which ranks."""
+    if cfg.parallel.backend == "deepspeed":
+        zero = (cfg.deepspeed or {}).get("zero_optimization") or {}
+        hpz = zero.get("zero_hpz_partition_size", 1)
+        text = f"  backend: DeepSpeed ZeRO-3 over {layout.shard_size} ranks"
+        if layout.is_hsdp:
+            text += f", gradient partitions averaged over {layout.replicas} replicas each step"
+        if hpz > 1:
+            text += f", ZeRO++ hpZ secondary partitions over {hpz} ranks"
+        return text
+    mesh = f"{layout.replicas} x {layout.shard_size} (replicate x shard)" if layout.is_hsdp else f"{layout.shard_size}"
+    return f"  backend: PyTorch FSDP2 over {mesh} ranks"
+
+
 def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
     """The text --dry-run prints."""
     m, t, fed = cfg.model, cfg.training, cfg.federation
@@ -48,6 +63,7 @@ def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
         *("  " + line for line in layout.describe().splitlines()),
         f"  model: {cfg.preset or m.arch}, {num_params:,} parameters ({m.num_layers} layers, hidden "
         f"{m.hidden_size}, ffn {m.ffn_hidden_size}, heads {m.num_attention_heads}/{m.kv_heads} kv, vocab {m.vocab_size})",
+        _backend_line(cfg, layout),
         batch_line(t, accum, layout),
         federation_line(layout, fed),
         "",

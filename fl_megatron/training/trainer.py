@@ -64,6 +64,9 @@ class Trainer:
             return
         from ..models import count_parameters
         c, t, lay = self.cfg, self.cfg.training, self.layout
+        ds_scheduler = (c.deepspeed or {}).get("scheduler")
+        lr_schedule = (f"DeepSpeed scheduler {ds_scheduler.get('type')} from its config" if ds_scheduler
+                       else f"{t.lr_decay_style}, warm-up {t.lr_warmup_iters}")
         lines = [
             "fl-megatron pretrain",
             *("  " + line for line in lay.describe().splitlines()),
@@ -71,8 +74,7 @@ class Trainer:
             f"backend {c.parallel.backend} on {self.device.type}, {'bf16' if t.bf16 else 'fp32'}",
             batch_line(t, self.accum, lay),
             federation_line(lay, c.federation),
-            f"  {t.train_iters} steps of {t.optimizer}, lr {t.lr:g} ({t.lr_decay_style}, warm-up {t.lr_warmup_iters}), "
-            f"run dir {t.run_dir}",
+            f"  {t.train_iters} steps of {t.optimizer}, lr {t.lr:g} ({lr_schedule}), run dir {t.run_dir}",
         ]
         say("\n".join(lines))
 
