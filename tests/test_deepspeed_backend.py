@@ -41,6 +41,15 @@ def _fl_fsdp_job(rank, world, tmp, cache):
     _, fsdp2 = train_and_gather(tiny_config(f"{tmp}/fsdp2", cache, group_size=4))
     fl_trainer, fl = train_and_gather(_ds(tmp, cache, "fl", group_size=2, sync_interval=1,
                                           deepspeed=SMALL_PERSISTENCE))
+    _, hpz = train_and_gather(_ds(tmp, cache, "hpz", group_size=4, deepspeed={
+        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2, "stage3_param_persistence_threshold": 2000}}))
+    out["hpz_vs_zero3"] = max_diff(hpz, zero3)
+    # a DeepSpeed scheduler block sets the learning rate (linear warm-up to 0.5 over 4 steps)
+    sched = make_trainer(_ds(tmp, cache, "sched", group_size=2, deepspeed={"scheduler": {
+        "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.5, "warmup_num_steps": 4,
+                                       "warmup_type": "linear"}}}))
+    out["scheduled_lrs"] = [sched.step(i)[2] for i in range(3)]
+    sched.close()
     out["fl_vs_zero3"] = max_diff(fl, zero3)
     out["zero3_vs_fsdp2"] = max_diff(zero3, fsdp2)
     shard_bytes = sum(s.numel() * s.element_size() for s in fl_trainer.backend.local_shards())
@@ -76,6 +85,10 @@ def test_fl_fsdp_on_zero3_equals_zero3_and_syncs_are_exact(tmp_path):
     results = run_ranks(4, _fl_fsdp_job, str(tmp_path), str(tmp_path / "cache"), timeout=800)
     for rank, r in enumerate(results):
         assert r["fl_vs_zero3"] <= 1e-5, (rank, r)
+        assert r["hpz_vs_zero3"] <= 1e-6, (rank, r)  # ZeRO++ hpZ moves data differently, same numbers
+        # WarmupLR's closed form: min_lr until it has stepped once, then min + (max - min) * i / 4
+        # for i = 0, 1, ... (DeepSpeed's own semantics: the first two steps both run at min_lr)
+        assert r["scheduled_lrs"] == pytest.approx([0.0, 0.0, 0.125]), r["scheduled_lrs"]
         assert r["zero3_vs_fsdp2"] <= 1e-5, (rank, r)
         reported, shard_bytes = r["sync_payload"]
         assert reported == shard_bytes > 0
