@@ -73,6 +73,11 @@ def _fl_fsdp_job(rank, world, tmp, cache):
         trainer.step(step)
         identical.append(peers_identical(trainer, everything()))
     out["identical_after_steps_1_2_3"] = identical
+    # DeepSpeed's bookkeeping sees the federation group; the optimizer state is still keyed by
+    # the (averaged in place) master tensors and holds one entry per master
+    out["dp_world_size"] = trainer.backend.engine.dp_world_size
+    state_keys = {id(k) for k in opt.optimizer.state}
+    out["state_keyed_by_masters"] = state_keys == {id(m) for m in opt.fp32_partitioned_groups_flat}
     # the working partitions are the masters rounded to bf16
     out["working_is_rounded_master"] = all(
         torch.equal(w, m.to(w.dtype)) for w, m in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat))
@@ -95,6 +100,7 @@ def test_fl_fsdp_on_zero3_equals_zero3_and_syncs_are_exact(tmp_path):
         assert r["padding"] == (True, True)
         assert r["persistent_count"] > 0 and r["working_dtypes"] == {"torch.bfloat16"}
         assert r["identical_after_steps_1_2_3"] == [False, True, False]
+        assert r["dp_world_size"] == 2 and r["state_keyed_by_masters"]
         assert r["working_is_rounded_master"]
         direct, reported = r["variance"]
         assert direct > 0 and reported == pytest.approx(direct, rel=1e-6)
