@@ -147,3 +147,10 @@ def test_deepspeed_config_sets_the_run_and_fl_flags_override_its_federation_bloc
 
     again = config_from_sources(json.loads(config_to_json(cfg)), {})
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_a_config_file_that_contradicts_the_deepspeed_config_is_an_error(launched, capsys, tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"training": {"micro_batch_size": 8}}))
+    _fails(capsys, BASE + ["--config", str(run), "--deepspeed_config", _ds_json(tmp_path)],
+           "contradicts the command line or --config", "--micro-batch-size 8 vs 4")

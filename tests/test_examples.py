@@ -40,6 +40,8 @@ GROUPS_LINE = {
     ("fl-hsdp", "64x8"): "16 federation groups of 32 (HSDP: 4 replicas x 8 shards)",
 }
 
+BACKEND_LINE = {"fsdp2": "backend: PyTorch FSDP2 over", "deepspeed": "backend: DeepSpeed ZeRO-3 over"}
+
 
 def script_variables(path: Path) -> dict:
     """BACKEND and CLUSTER as an sbatch script sets them, and its #SBATCH options."""
@@ -150,6 +152,8 @@ def test_dry_run_plans_the_layout(case, dry_runs):
     nodes, gpus = CLUSTERS[case.cluster]
     assert f"512 ranks on {nodes} nodes x {gpus}" in lines
     assert GROUPS_LINE[(case.layout, case.cluster)] in lines, proc.stdout
+    backend = next(line for line in lines if line.startswith("backend: "))
+    assert backend.startswith(BACKEND_LINE[case.backend]), backend
     assert "1024 over all ranks" in proc.stdout  # micro-batch 2 x 512 ranks, no accumulation
     assert "activations recomputed" in proc.stdout
     total = float(re.search(r"^\s+total\s+([\d.]+) GiB$", proc.stdout, re.M).group(1))

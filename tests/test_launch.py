@@ -5,7 +5,7 @@ import pytest
 from fl_megatron.training.launch import LaunchEnv, init_distributed, read_launch_env
 
 VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-        "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "MASTER_ADDR")
+        "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "MASTER_ADDR", "LOCAL_SIZE")
 
 
 @pytest.fixture
@@ -23,6 +23,13 @@ def test_torchrun_variables(clean_env):
     for k, v in dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
         clean_env.setenv(k, v)
     assert read_launch_env() == LaunchEnv(5, 8, 1, 4)
+
+
+def test_deepspeed_launcher_variables(clean_env):
+    # deepspeed's launcher names the processes on this node LOCAL_SIZE
+    for k, v in dict(RANK="6", WORLD_SIZE="8", LOCAL_RANK="2", LOCAL_SIZE="4").items():
+        clean_env.setenv(k, v)
+    assert read_launch_env() == LaunchEnv(6, 8, 2, 4)
 
 
 def test_slurm_variables_with_compressed_tasks_per_node(clean_env):

@@ -14,10 +14,10 @@ if [[ $# -lt 3 ]]; then
     exit 2
 fi
 [[ -f $1 ]] || { echo "fl-megatron launch: error: hostfile '$1' does not exist" >&2; exit 2; }
-HOSTFILE=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")  # absolute: launch.sh changes directory
+FL_HOSTFILE=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")  # absolute: launch.sh changes directory
 LAYOUT=$2
 CLUSTER=$3
 shift 3
 BACKEND=deepspeed
-LAUNCHER=deepspeed
+FL_LAUNCHER=deepspeed
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/../slurm" && pwd)/launch.sh" "$LAYOUT" "$@"

@@ -1,9 +1,9 @@
 # Builds and launches `python -m fl_megatron.pretrain` for the Llama 3.1 8B recipes in
 # examples/llama3.1-8b/. Sourced, not run, by examples/slurm/*.sbatch and
 # examples/deepspeed/launch-deepspeed.sh, which set:
-#   BACKEND   fsdp2 | deepspeed
-#   CLUSTER   128x4 | 64x8          NODESxGPUS_PER_NODE (the sbatch header must ask for the same)
-#   LAUNCHER  srun (default) | deepspeed (then HOSTFILE: a DeepSpeed hostfile, absolute path)
+#   BACKEND      fsdp2 | deepspeed
+#   CLUSTER      128x4 | 64x8: NODESxGPUS_PER_NODE (the sbatch header must ask for the same)
+#   FL_LAUNCHER  srun (default) | deepspeed (then FL_HOSTFILE: a DeepSpeed hostfile, absolute path)
 # and pass: LAYOUT [extra pretrain flags...]; the extra flags come last, so they override the recipe.
 #
 # FL_DRY_RUN=1: start nothing (no srun, scontrol or deepspeed); run the same pretrain arguments in
@@ -29,8 +29,9 @@ fl_one_of() {  # fl_one_of WORD CHOICE... : whether WORD is one of the choices
 }
 
 fl_list() {  # "a, b, c"
-    local IFS=,
-    echo "$*" | sed 's/,/, /g'
+    local IFS=, joined
+    joined="$*"
+    echo "${joined//,/, }"
 }
 
 fl_show() {  # print a command line to stderr, quoted so that it can be pasted back
@@ -41,9 +42,10 @@ fl_show() {  # print a command line to stderr, quoted so that it can be pasted b
 
 LAYOUT=${1:-}
 [[ $# -gt 0 ]] && shift
-if ! fl_one_of "$LAYOUT" "${FL_LAYOUTS[@]}"; then
-    fl_die "unknown layout '${LAYOUT}'; valid layouts: $(fl_list "${FL_LAYOUTS[@]}")" \
-           "(usage: ... LAYOUT [extra pretrain flags...])"
+if [[ -z $LAYOUT ]]; then
+    fl_die "no layout given (arguments: LAYOUT [extra pretrain flags...]); valid layouts: $(fl_list "${FL_LAYOUTS[@]}")"
+elif ! fl_one_of "$LAYOUT" "${FL_LAYOUTS[@]}"; then
+    fl_die "unknown layout '${LAYOUT}'; valid layouts: $(fl_list "${FL_LAYOUTS[@]}")"
 fi
 fl_one_of "${BACKEND:-}" fsdp2 deepspeed || fl_die "BACKEND='${BACKEND:-}' is not fsdp2 or deepspeed"
 if ! fl_one_of "${CLUSTER:-}" "${FL_CLUSTERS[@]}"; then
@@ -66,30 +68,30 @@ else  # model/training/data from run-CLUSTER.json, ZeRO-3/batch/optimizer/federa
                    --run-dir "runs/llama3.1-8b/$RUN_NAME")
 fi
 for f in "${PRETRAIN_ARGS[@]}"; do
-    [[ $f == *.json && ! -f $f ]] && fl_die "recipe $FL_ROOT/$f is missing"
+    if [[ $f == *.json && ! -f $f ]]; then fl_die "recipe $FL_ROOT/$f is missing"; fi
 done
 PRETRAIN_ARGS+=("$@")
 PYTHON=${PYTHON:-python}
-LAUNCHER=${LAUNCHER:-srun}
-fl_one_of "$LAUNCHER" srun deepspeed || fl_die "LAUNCHER='$LAUNCHER' is not srun or deepspeed"
+FL_LAUNCHER=${FL_LAUNCHER:-srun}
+fl_one_of "$FL_LAUNCHER" srun deepspeed || fl_die "FL_LAUNCHER='$FL_LAUNCHER' is not srun or deepspeed"
 
-if [[ $LAUNCHER == deepspeed ]]; then
+if [[ $FL_LAUNCHER == deepspeed ]]; then
     # Hostfile lines: "HOST slots=N"; '#' starts a comment. A real run needs exactly NODES hosts
     # with slots=GPUS_PER_NODE; a dry run only warns (one example hostfile serves both clusters).
-    [[ -f ${HOSTFILE:-} ]] || fl_die "hostfile '${HOSTFILE:-}' does not exist"
+    [[ -f ${FL_HOSTFILE:-} ]] || fl_die "hostfile '${FL_HOSTFILE:-}' does not exist"
     FL_HOSTS=()
     FL_BAD_SLOTS=()
     while read -r line || [[ -n $line ]]; do
         line=${line%%#*}
         [[ -z ${line//[[:space:]]/} ]] && continue
         [[ $line =~ ^[[:space:]]*([^[:space:]]+)[[:space:]]+slots=([0-9]+)[[:space:]]*$ ]] ||
-            fl_die "$HOSTFILE: '$line' is not a 'HOST slots=N' line"
+            fl_die "$FL_HOSTFILE: '$line' is not a 'HOST slots=N' line"
         FL_HOSTS+=("${BASH_REMATCH[1]}")
         [[ ${BASH_REMATCH[2]} == "$GPUS_PER_NODE" ]] || FL_BAD_SLOTS+=("${BASH_REMATCH[1]}")
-    done <"$HOSTFILE"
-    [[ ${#FL_HOSTS[@]} -gt 0 ]] || fl_die "$HOSTFILE lists no hosts"
+    done <"$FL_HOSTFILE"
+    [[ ${#FL_HOSTS[@]} -gt 0 ]] || fl_die "$FL_HOSTFILE lists no hosts"
     if [[ ${#FL_HOSTS[@]} != "$NODES" || ${#FL_BAD_SLOTS[@]} != 0 ]]; then
-        problem="the $CLUSTER recipe needs $NODES hosts with slots=$GPUS_PER_NODE but $HOSTFILE lists ${#FL_HOSTS[@]} host(s)"
+        problem="the $CLUSTER recipe needs $NODES hosts with slots=$GPUS_PER_NODE but $FL_HOSTFILE lists ${#FL_HOSTS[@]} host(s)"
         [[ ${#FL_BAD_SLOTS[@]} == 0 ]] || problem+=", ${#FL_BAD_SLOTS[@]} of them without slots=$GPUS_PER_NODE"
         [[ ${FL_DRY_RUN:-0} == 1 ]] || fl_die "$problem"
         echo "fl-megatron launch: warning: $problem (ignored by the dry run)" >&2
@@ -101,7 +103,7 @@ if [[ ${FL_DRY_RUN:-0} == 1 ]]; then
     exec "$PYTHON" -m fl_megatron.pretrain "${PRETRAIN_ARGS[@]}" --world-size "$WORLD_SIZE_PLANNED" --dry-run
 fi
 
-if [[ $LAUNCHER == srun ]]; then
+if [[ $FL_LAUNCHER == srun ]]; then
     # One task per GPU; ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
     [[ -n ${SLURM_JOB_ID:-} ]] ||
         fl_die "not inside a SLURM job: submit this script with sbatch (FL_DRY_RUN=1 checks the recipe without SLURM)"
@@ -128,7 +130,7 @@ trap 'rm -f "$DS_ENV_FILE"' EXIT
 for var in OMP_NUM_THREADS PYTHONUNBUFFERED FL_MEGATRON_CACHE TORCH_NCCL_ASYNC_ERROR_HANDLING; do
     echo "$var=${!var}" >>"$DS_ENV_FILE"
 done
-FL_CMD=("${DEEPSPEED:-deepspeed}" --hostfile "$HOSTFILE" --num_nodes "$NODES" --num_gpus "$GPUS_PER_NODE"
+FL_CMD=("${DEEPSPEED:-deepspeed}" --hostfile "$FL_HOSTFILE" --num_nodes "$NODES" --num_gpus "$GPUS_PER_NODE"
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --no_local_rank
         --module fl_megatron.pretrain "${PRETRAIN_ARGS[@]}")
 fl_show "${FL_CMD[@]}"

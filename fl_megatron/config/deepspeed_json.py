@@ -122,12 +122,13 @@ def split_deepspeed_json(ds: dict, where: str) -> tuple[dict, dict, dict]:
 
 
 def check_against_flags(training: dict, flags: dict, scheduler: bool, where: str) -> None:
-    """A flag typed on the command line must not contradict the DeepSpeed config."""
+    """A value typed on the command line (or set in the --config file) must not contradict the
+    DeepSpeed config. `flags` maps "training.<field>" to the value given."""
     typed = {dest.split(".", 1)[1]: value for dest, value in flags.items() if dest.startswith("training.")}
     clashes = [f"--{name.replace('_', '-')} {typed[name]} vs {value}" for name, value in training.items()
                if name in typed and typed[name] != value]
     if clashes:
-        raise ValueError(f"{where} contradicts the command line: {'; '.join(clashes)} "
+        raise ValueError(f"{where} contradicts the command line or --config: {'; '.join(clashes)} "
                          "(set each value in one place)")
     if scheduler:
         given = [f"--{name.replace('_', '-')}" for name in _SCHEDULE_FIELDS if name in typed]

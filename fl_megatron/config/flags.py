@@ -150,7 +150,9 @@ def _apply_deepspeed(cfg: RunConfig, json_data: dict, flags: dict, where: str) -
     ds_where = path or f"{where}: deepspeed"
     raw = load_deepspeed_json(path) if path else inline
     federation, training, passthrough = split_deepspeed_json(raw, ds_where)
-    check_against_flags(training, flags, "scheduler" in passthrough, ds_where)
+    # values typed on the command line or set in the --config file must agree with it
+    explicit = {f"training.{k}": v for k, v in (json_data.get("training") or {}).items()}
+    check_against_flags(training, {**explicit, **flags}, "scheduler" in passthrough, ds_where)
     _apply(cfg.federation, federation, f"{ds_where}: federation")
     _apply(cfg.training, training, f"{ds_where}")
     cfg.deepspeed = passthrough

@@ -47,7 +47,8 @@ def read_launch_env() -> LaunchEnv:
     rank = _int_env(("RANK", "SLURM_PROCID"), 0)
     world = _int_env(("WORLD_SIZE", "SLURM_NTASKS"), 1)
     local_rank = _int_env(("LOCAL_RANK", "SLURM_LOCALID"), 0)
-    local_world = _int_env(("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), None)
+    # torchrun: LOCAL_WORLD_SIZE; the deepspeed launcher: LOCAL_SIZE; srun: SLURM_NTASKS_PER_NODE
+    local_world = _int_env(("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"), None)
     if local_world is None:
         local_world = _slurm_tasks_per_node() or world
     if not 0 <= rank < world:
