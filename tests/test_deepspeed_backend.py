@@ -55,6 +55,9 @@ def _fl_fsdp_job(rank, world, tmp, cache):
     shard_bytes = sum(s.numel() * s.element_size() for s in fl_trainer.backend.local_shards())
     out["sync_payload"] = (fl_trainer.engine.sync(step=99).inter_group_bytes, shard_bytes)
     out["padding"] = _padding_report(fl_trainer.backend)
+    opt = fl_trainer.backend.optimizer  # fp32: the working partitions are the masters themselves
+    out["fp32_working_is_master"] = all(w.data_ptr() == m.data_ptr() for w, m in
+                                        zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat))
 
     # H = 2 with AdamW in bf16: groups differ after steps 1 and 3 and are bit-identical after
     # step 2 in masters, working (bf16) partitions and gathered persistent parameters
@@ -82,6 +85,11 @@ def _fl_fsdp_job(rank, world, tmp, cache):
     out["working_is_rounded_master"] = all(
         torch.equal(w, m.to(w.dtype)) for w, m in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat))
     out["variance"] = (direct_variance(trainer), trainer.engine.sync(step=4).variance)
+    # after that sync, the gathered persistent parameters are the averaged masters, rounded to bf16
+    full = trainer.backend.full_state_dict()
+    names = trainer.backend._names
+    out["persistent_match_masters"] = all(
+        torch.equal(p.data.reshape(-1), full[names[id(p)]].reshape(-1).to(p.dtype)) for p in opt.persistent_parameters)
     trainer.close()
     return out
 
@@ -97,11 +105,11 @@ def test_fl_fsdp_on_zero3_equals_zero3_and_syncs_are_exact(tmp_path):
         assert r["zero3_vs_fsdp2"] <= 1e-5, (rank, r)
         reported, shard_bytes = r["sync_payload"]
         assert reported == shard_bytes > 0
-        assert r["padding"] == (True, True)
+        assert r["padding"] == (True, True) and r["fp32_working_is_master"]
         assert r["persistent_count"] > 0 and r["working_dtypes"] == {"torch.bfloat16"}
         assert r["identical_after_steps_1_2_3"] == [False, True, False]
         assert r["dp_world_size"] == 2 and r["state_keyed_by_masters"]
-        assert r["working_is_rounded_master"]
+        assert r["working_is_rounded_master"] and r["persistent_match_masters"]
         direct, reported = r["variance"]
         assert direct > 0 and reported == pytest.approx(direct, rel=1e-6)
 

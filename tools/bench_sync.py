@@ -48,6 +48,7 @@ def run_config(args, backend: str, group_size: int, shard_size=None, world: int 
     t.seq_length, t.micro_batch_size, t.lr, t.train_iters, t.seed = (
         args.seq_length, args.micro_batch_size, 1e-4, 10_000, 1)
     cfg.data.tokenizer_vocab_size = args.vocab_size
+    t.bf16 = args.bf16
     cfg.federation = FederationConfig(group_size=group_size, hsdp_shard_size=shard_size, sync_interval=1,
                                       bucket_mb=args.bucket_mb)
     cfg.validate(world, world)
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=4)
+    p.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 masters (default fp32)")
     p.add_argument("--only", choices=("sync", "memory"), help="run one of the two parts")
     p.add_argument("--backends", default="fsdp2,deepspeed",
                    help="comma-separated backends for the sync part (deepspeed needs DeepSpeed installed)")
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     params = count_parameters(model_config(args))
     print(f"model: llama, {args.num_layers} layers, hidden {args.hidden_size}, {params:,} parameters "
-          f"({params * 4 / 2**20:.1f} MiB fp32); 4 CPU ranks on gloo, {os.cpu_count()} cores", flush=True)
+          f"({params * 4 / 2**20:.1f} MiB fp32), {'bf16' if args.bf16 else 'fp32'} compute; 4 CPU ranks on gloo, {os.cpu_count()} cores", flush=True)
     results = {"parameters": params}
 
     if args.only != "memory":

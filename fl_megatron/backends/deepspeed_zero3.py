@@ -131,6 +131,7 @@ class DeepSpeedBackend:
         self._names = {id(p): name for name, p in self.model.named_parameters()}
         self._dp_rank = dist.get_rank(self.shard_group)
         self._dp_size = dist.get_world_size(self.shard_group)
+        self._share_fp32_working_partitions()
         self._materialise(t.seed)
 
     def _check_internals(self) -> None:
@@ -160,6 +161,22 @@ class DeepSpeedBackend:
                     raise RuntimeError(f"parameter {self._names.get(id(p))} is not inside its flat partition")
                 valid = max(0, min(size, p.ds_numel - self._dp_rank * size))
                 yield i, p, offset, size, valid
+
+    @torch.no_grad()
+    def _share_fp32_working_partitions(self) -> None:
+        """In fp32 training DeepSpeed 0.19.8 keeps the working partition as a second copy of
+        the fp32 master (on CPU at least). Make the working partition the master itself, as
+        DeepSpeed does when it finds them alike: one copy less of the shard in memory, and the
+        master-to-working copies after each step and each sync become no-ops (a tensor copied
+        onto itself). The parameters' `ds_tensor` views are re-pointed into the master."""
+        opt = self.optimizer
+        for i, (working, master) in enumerate(zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat)):
+            if working.dtype != master.dtype or working.device != master.device or \
+                    working.numel() != master.numel() or working.data_ptr() == master.data_ptr():
+                continue
+            master.copy_(working)
+            opt.fp16_partitioned_groups_flat[i] = master
+            opt._unflatten_partitioned_parameters(i)
 
     @torch.no_grad()
     def _materialise(self, seed: int) -> None:
@@ -197,11 +214,34 @@ class DeepSpeedBackend:
         opt = self.optimizer
         for i in range(len(opt.fp16_groups)):
             opt._reassign_or_swap_out_partitioned_parameters(i)
-        persistent = opt.persistent_parameters
-        if persistent:
-            persistent[0].partition(persistent)
-            persistent[0].all_gather(persistent)
+        self._regather_persistent(opt.persistent_parameters)
         opt.invalidate_secondary_tensor()
+
+    @torch.no_grad()
+    def _regather_persistent(self, params) -> None:
+        """Rebuild the full (persistent) parameters from their refreshed partitions with one
+        all-gather over the shard group. DeepSpeed's own route (partition, then all_gather)
+        issues a collective per parameter, which dominated the refresh for models with many
+        small norm weights; the result is the same concatenation of partitions."""
+        if not params:
+            return
+        if any(p.data.numel() != p.ds_numel for p in params):  # not all gathered: DeepSpeed's way
+            params[0].partition(params)
+            params[0].all_gather(params)
+            return
+        sizes = [p.ds_tensor.ds_numel for p in params]
+        mine = torch.cat([p.ds_tensor.reshape(-1) for p in params])
+        gathered = mine.new_empty(self._dp_size * mine.numel())
+        if self._dp_size == 1:
+            gathered.copy_(mine)
+        else:
+            dist.all_gather_into_tensor(gathered, mine, group=self.shard_group)
+        rows = gathered.view(self._dp_size, mine.numel())
+        offset = 0
+        for p, size in zip(params, sizes):
+            full = rows[:, offset:offset + size].reshape(-1)[:p.ds_numel]
+            p.data.copy_(full.view(p.data.shape))
+            offset += size
 
     # --- what the trainer needs ------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
