@@ -33,6 +33,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .training.dry_run import dry_run_report
         print(dry_run_report(cfg, layout, accum))
         return 0
+    if cfg.data.source == "indexed":
+        try:  # open every data file and check the splits before any process group exists
+            _check_data(cfg)
+        except (ValueError, OSError) as e:
+            return _fail(str(e))
     from .training.trainer import Trainer
     import torch.distributed as dist
 
@@ -47,6 +52,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _check_data(cfg) -> None:
+    """Open the --data-path datasets and build the splits training needs (no index caches)."""
+    from .data.gpt_dataset import build_split_samples
+
+    t = cfg.training
+    for split in ("train", "valid") if t.eval_iters else ("train",):
+        build_split_samples(cfg.data.data_path, cfg.data.split, split, t.seq_length, t.seed, None)
 
 
 def _fail(message: str) -> int:

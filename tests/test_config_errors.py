@@ -154,3 +154,28 @@ def test_a_config_file_that_contradicts_the_deepspeed_config_is_an_error(launche
     run.write_text(json.dumps({"training": {"micro_batch_size": 8}}))
     _fails(capsys, BASE + ["--config", str(run), "--deepspeed_config", _ds_json(tmp_path)],
            "contradicts the command line or --config", "--micro-batch-size 8 vs 4")
+
+
+def _indexed(tmp_path, name="data", docs=40):
+    import numpy as np
+
+    from fl_megatron.data.indexed import IndexedDatasetWriter
+
+    prefix = tmp_path / name
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for d in range(docs):
+            w.add_document(np.arange(300) % 500)
+    return str(prefix)
+
+
+def test_data_errors_fail_before_process_groups(launched, capsys, tmp_path):
+    good = _indexed(tmp_path)
+    _fails(capsys, BASE + ["--data-path", str(tmp_path / "nothing")], "nothing.idx")
+    _fails(capsys, BASE + ["--data-path", "0.3", good, "x", good], "weight 'x'")
+    _fails(capsys, BASE + ["--data-path", good, "--split", "100,0,0"], "leaves the valid split", "data")
+    _fails(capsys, BASE + ["--data-path", good, "--mock-data"], "data_path and mock_data are exclusive")
+    _fails(capsys, BASE + ["--data-path", good, "--split", "a,b"], "split 'a,b'")
+    broken = _indexed(tmp_path, "broken")
+    with open(broken + ".bin", "r+b") as f:
+        f.truncate(100)
+    _fails(capsys, BASE + ["--data-path", broken], "broken.bin", "truncated")

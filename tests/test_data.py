@@ -1,4 +1,5 @@
-"""Tests for the demo data layer (corpus, tokenizer, cached preparation, sampling contract)."""
+"""Tests for the demo data layer (corpus, tokenizer, cached preparation into an indexed
+dataset, sampling contract)."""
 
 import gzip
 import json
@@ -22,7 +23,6 @@ from fl_megatron.data import (
     global_sample_ids,
     load_documents,
     prepare_demo_data,
-    split_documents,
 )
 from fl_megatron.data import demo as demo_module
 
@@ -87,15 +87,6 @@ def test_plain_jsonl_loads(tmp_path):
     assert load_documents(path) == ["a\nb", "ü"]
 
 
-def test_split_is_every_twentieth_document():
-    docs = [f"doc{i}" for i in range(101)]
-    train, valid = split_documents(docs)
-    assert valid == [f"doc{i}" for i in (19, 39, 59, 79, 99)]
-    assert train == [d for d in docs if d not in valid]
-    assert split_documents(docs) == (train, valid)
-    assert split_documents(docs, valid_fraction=0.0) == (docs, [])
-
-
 # ---------------------------------------------------------------- tokenizer
 
 def test_tokenizer_round_trips_ascii_and_unicode(demo, tokenizer):
@@ -124,21 +115,17 @@ def test_tokenizer_properties(demo, tokenizer):
 
 # ---------------------------------------------------------------- prepare_demo_data
 
-def test_prepare_demo_data_eod_after_each_document(demo, tokenizer):
+def test_prepare_demo_data_is_the_corpus_preprocessed_with_eod(demo, tokenizer):
     _, data = demo
     _, docs = _raw_corpus_docs()
-    train_docs = [d for i, d in enumerate(docs) if i % 20 != 19]
-    valid_docs = [d for i, d in enumerate(docs) if i % 20 == 19]
-    for tokens, ref_docs in ((data.train_tokens, train_docs), (data.valid_tokens, valid_docs)):
-        assert tokens.dtype == np.int32 and tokens.ndim == 1
-        assert int((np.asarray(tokens) == tokenizer.eod_id).sum()) == len(ref_docs)
+    dataset = data.dataset()
+    assert len(dataset) == len(docs) and dataset.dtype == np.uint16
+    for k in (0, 1, len(docs) // 2, len(docs) - 1):
+        tokens = dataset[k]
         assert tokens[-1] == tokenizer.eod_id
-        bounds = np.flatnonzero(np.asarray(tokens) == tokenizer.eod_id)
-        starts = np.concatenate([[0], bounds[:-1] + 1])
-        for k in (0, 1, len(ref_docs) - 1):
-            seg = tokens[starts[k]:bounds[k]]
-            assert list(seg) == tokenizer.encode(ref_docs[k])
-            assert tokenizer.decode(seg) == ref_docs[k]
+        assert list(tokens[:-1]) == tokenizer.encode(docs[k])
+        assert tokenizer.decode(tokens[:-1]) == docs[k]
+    assert int((np.asarray(dataset.get(len(docs) // 2)) == tokenizer.eod_id).sum()) == 1
 
 
 def test_prepare_demo_data_is_cached(demo, monkeypatch, capsys):
@@ -152,11 +139,10 @@ def test_prepare_demo_data_is_cached(demo, monkeypatch, capsys):
     monkeypatch.setattr(demo_module, "train_sentencepiece", no_training)
     second = prepare_demo_data(cache, vocab_size=VOCAB)
     assert second.tokenizer_path == first.tokenizer_path
-    np.testing.assert_array_equal(second.train_tokens, first.train_tokens)
-    np.testing.assert_array_equal(second.valid_tokens, first.valid_tokens)
-    assert isinstance(second.train_tokens, np.memmap)
+    assert second.prefix == first.prefix
+    np.testing.assert_array_equal(second.dataset().sequence_lengths, first.dataset().sequence_lengths)
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == mtimes
-    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in folder.iterdir() if ".tmp" in p.name]
     assert "training tokenizer" not in capsys.readouterr().err
     # A different vocab size is a different cache entry, so it must train.
     with pytest.raises(AssertionError, match="retrained"):
@@ -169,8 +155,8 @@ def test_prepare_demo_data_prints_progress_and_keys_on_corpus(tmp_path, capsys):
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:60]), encoding="utf-8")
     data = prepare_demo_data(tmp_path / "cache", vocab_size=400, corpus_path=corpus)
     err = capsys.readouterr().err
-    assert "training tokenizer (vocab 400) on 57 docs" in err and "tokenised" in err
-    assert int((np.asarray(data.valid_tokens) == 2).sum()) == 3
+    assert "training tokenizer (vocab 400) on 60 docs" in err
+    assert len(data.dataset()) == 60
     other = corpus.with_name("other.jsonl")
     other.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[1:61]), encoding="utf-8")
     data2 = prepare_demo_data(tmp_path / "cache", vocab_size=400, corpus_path=other)
@@ -185,7 +171,7 @@ def test_concurrent_builders_agree(tmp_path):
         "import sys, hashlib, numpy as np\n"
         "from fl_megatron.data.demo import prepare_demo_data\n"
         "d = prepare_demo_data(sys.argv[1], vocab_size=400, corpus_path=sys.argv[2])\n"
-        "print(hashlib.sha256(np.asarray(d.train_tokens).tobytes()).hexdigest(),"
+        "print(hashlib.sha256(open(str(d.prefix) + '.bin', 'rb').read()).hexdigest(),"
         " hashlib.sha256(d.tokenizer_path.read_bytes()).hexdigest())\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -195,7 +181,7 @@ def test_concurrent_builders_agree(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert outs[0][0] == outs[1][0] and outs[0][0].strip()
-    leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.name.endswith(".tmp")]
+    leftovers = [p for p in (tmp_path / "cache").rglob("*") if ".tmp" in p.name]
     assert not leftovers
 
 

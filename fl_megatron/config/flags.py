@@ -18,6 +18,7 @@ FLAG_NAMES = {
     ("model", "norm_eps"): "--norm-epsilon",
     ("parallel", "world_size"): "--world-size",
     ("parallel", "deepspeed_config"): "--deepspeed_config",  # DeepSpeed's own spelling
+    ("data", "data_cache_dir"): "--data-cache-path",  # Megatron's name
 }
 SECTION_PREFIX = {"federation": "fl-"}
 
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
             name = flag_name(section, f.name)
             if ftype is bool:
                 group.add_argument(name, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+            elif ftype is list:
+                group.add_argument(name, dest=dest, nargs="+", metavar="VALUE", help=help_text)
             else:
                 group.add_argument(name, dest=dest, type=ftype, metavar=ftype.__name__.upper(), help=help_text)
     return parser
@@ -80,6 +83,8 @@ def _apply(target, values: dict, where: str) -> None:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys are {', '.join(sorted(fields))}")
     for key, value in values.items():
         ftype = _field_type(cls, fields[key])
+        if ftype is list and isinstance(value, str):
+            value = value.split()  # "0.3 /a 0.7 /b" in a JSON file
         if value is not None:
             ok = isinstance(value, ftype) if ftype is not float else isinstance(value, (int, float))
             if isinstance(value, bool) and ftype is not bool:
@@ -196,6 +201,8 @@ def dump_flags(cfg: RunConfig) -> list[str]:
             name = flag_name(section, f.name)
             if isinstance(value, bool):
                 out.append(name if value else "--no-" + name[2:])
+            elif isinstance(value, list):
+                out += [name, *map(str, value)]
             else:
                 out += [name, str(value)]
     return out

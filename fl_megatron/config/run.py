@@ -86,7 +86,7 @@ class RunConfig:
         if t.seq_length > m.max_position_embeddings:
             raise ValueError(f"seq_length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{m.max_position_embeddings}")
-        if m.vocab_size < self.data.tokenizer_vocab_size:
+        if self.data.source == "demo" and m.vocab_size < self.data.tokenizer_vocab_size:
             raise ValueError(f"vocab_size={m.vocab_size} is smaller than the tokenizer's "
                              f"tokenizer_vocab_size={self.data.tokenizer_vocab_size}: token ids would "
                              f"fall outside the embedding")

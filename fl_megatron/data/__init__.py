@@ -1,6 +1,6 @@
-"""Demo data pipeline: shipped stdlib-docstring corpus, SentencePiece tokenizer, sampling contract."""
+"""Data: Megatron indexed datasets, GPT samples over them, the shipped demo corpus, the sampling contract."""
 
-from fl_megatron.data.corpus import demo_corpus_path, load_documents, split_documents
+from fl_megatron.data.corpus import demo_corpus_path, load_documents
 from fl_megatron.data.demo import DemoData, prepare_demo_data
 from fl_megatron.data.samples import (
     BatchSource,
@@ -24,6 +24,5 @@ __all__ = [
     "global_sample_ids",
     "load_documents",
     "prepare_demo_data",
-    "split_documents",
     "train_sentencepiece",
 ]

@@ -35,20 +35,3 @@ def load_documents(path: str | Path) -> list[str]:
                 raise ValueError(f"{path}:{lineno}: expected an object with a string 'text' field")
             docs.append(record["text"])
     return docs
-
-
-def split_documents(docs: list[str], valid_fraction: float = 0.05) -> tuple[list[str], list[str]]:
-    """Deterministic train/valid split: every ``round(1/valid_fraction)``-th document is held out.
-
-    Documents at positions ``stride-1, 2*stride-1, ...`` go to valid, so the
-    split depends only on document order. ``valid_fraction=0`` holds out nothing.
-    """
-    if not 0.0 <= valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
-    if valid_fraction == 0.0:
-        return list(docs), []
-    stride = max(2, round(1.0 / valid_fraction))
-    train, valid = [], []
-    for i, doc in enumerate(docs):
-        (valid if i % stride == stride - 1 else train).append(doc)
-    return train, valid

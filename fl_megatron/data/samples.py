@@ -91,9 +91,11 @@ def global_sample_ids(rank: int, step: int, micro_index: int, world_size: int,
 class BatchSource:
     """Training micro-batches for any (rank, step, micro_index), in any call order."""
 
-    def __init__(self, samples: TokenSamples, order: SampleOrder, world_size: int,
+    def __init__(self, samples, order: SampleOrder | None, world_size: int,
                  micro_batch_size: int, accum_steps: int):
-        if order.num_samples != len(samples):
+        """`samples[i]` gives sample i; with `order` None, samples are indexed by the global
+        counter itself (datasets that shuffle and run epochs themselves)."""
+        if order is not None and order.num_samples != len(samples):
             raise ValueError(f"order has {order.num_samples} samples, data has {len(samples)}")
         self.samples = samples
         self.order = order
@@ -105,7 +107,7 @@ class BatchSource:
         """Sample indices of one micro-batch."""
         ids = global_sample_ids(rank, step, micro_index, self.world_size,
                                 self.micro_batch_size, self.accum_steps)
-        return [self.order.index(k) for k in ids]
+        return [self.order.index(k) if self.order is not None else k for k in ids]
 
     def micro_batch(self, rank: int, step: int, micro_index: int) -> torch.Tensor:
         """LongTensor ``[micro_batch_size, seq_length + 1]``."""

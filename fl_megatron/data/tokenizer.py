@@ -47,6 +47,15 @@ class Tokenizer:
         """Load a ``.model`` file."""
         return cls(spm.SentencePieceProcessor(model_file=str(path)))
 
+    @classmethod
+    def from_bytes(cls, model_proto: bytes) -> "Tokenizer":
+        """Load a serialized model (the bytes of a ``.model`` file)."""
+        return cls(spm.SentencePieceProcessor(model_proto=model_proto))
+
+    def __reduce__(self):
+        # Picklable by value, so it can be sent to spawned worker processes.
+        return (Tokenizer.from_bytes, (self._sp.serialized_model_proto(),))
+
     @property
     def vocab_size(self) -> int:
         """Number of pieces, including control and byte pieces."""
@@ -78,12 +87,16 @@ def _training_lines(documents):
                 yield line.encode("utf-8")[:_MAX_LINE_BYTES].decode("utf-8", "ignore")
 
 
-def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, model_type: str = "bpe") -> Path:
-    """Train a byte-fallback SentencePiece model on ``documents``; write it atomically.
+def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, model_type: str = "bpe", *,
+                        byte_fallback: bool = True, character_coverage: float = 0.9995,
+                        input_sentence_size: int = _MAX_TRAIN_LINES, shuffle: bool = False) -> Path:
+    """Train a SentencePiece model on ``documents`` (any iterable of str); write it atomically.
 
     Settings are chosen for an exact ``decode(encode(x)) == x`` round trip
-    (identity normalisation, whitespace kept, newline as its own piece) and a
-    reproducible result (one thread, no input shuffling or sampling).
+    (identity normalisation, whitespace kept, newline as its own piece, byte
+    fallback) and a reproducible result (one thread; by default no shuffling:
+    the first ``input_sentence_size`` lines are used, ``shuffle=True`` samples
+    them uniformly instead). EOS ``</s>`` (id 2) is the EOD token.
     """
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -91,8 +104,8 @@ def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, mode
         model_writer=model,
         vocab_size=vocab_size,
         model_type=model_type,
-        byte_fallback=True,
-        character_coverage=0.9995,
+        byte_fallback=byte_fallback,
+        character_coverage=character_coverage,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
         add_dummy_prefix=False,
@@ -100,8 +113,8 @@ def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, mode
         split_digits=True,
         user_defined_symbols=["\n"],
         max_sentence_length=_MAX_LINE_BYTES * 4,
-        input_sentence_size=_MAX_TRAIN_LINES,
-        shuffle_input_sentence=False,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=shuffle,
         num_threads=1,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         minloglevel=2,

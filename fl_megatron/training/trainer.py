@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from ..backends import make_backend
 from ..config import RunConfig
 from ..config.flags import config_to_json
-from ..data import BatchSource, SampleOrder, TokenSamples, eval_batches, prepare_demo_data
+from ..data import BatchSource, eval_batches
+from ..data.sources import data_prefixes, split_samples
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from ..topology import Layout
 from .console import batch_line, federation_line, format_duration, progress_line, say
@@ -78,22 +79,37 @@ class Trainer:
         ]
         say("\n".join(lines))
 
-    def _load_data(self) -> tuple[BatchSource, TokenSamples]:
+    def _load_data(self):
+        """Train and valid samples. Rank 0 prepares data and index caches first, the others
+        then open what it built (files are written atomically, so a crash leaves no half file)."""
         d, t = self.cfg.data, self.cfg.training
         cache = Path(d.data_cache_dir) if d.data_cache_dir else default_cache_dir()
-        # rank 0 builds the cache once; the others load it after the barrier
-        data = prepare_demo_data(cache, d.tokenizer_vocab_size) if self.is_writer else None
+        total = t.train_iters * self.accum * t.micro_batch_size * self.env.world_size
+        eval_counters = t.eval_iters * t.micro_batch_size * self.env.world_size
+
+        def build():
+            prefixes = data_prefixes(d, cache) if d.source != "mock" else []
+            train = split_samples(d, prefixes, "train", t.seq_length, t.seed, self.cfg.model.vocab_size, cache)
+            valid = split_samples(d, prefixes, "valid", t.seq_length, t.seed, self.cfg.model.vocab_size, cache) \
+                if t.eval_iters else None
+            return train, valid
+
+        if self.is_writer:
+            train, valid = build()
+            train.prepare_for(total)
+            if valid is not None:
+                valid.prepare_for(eval_counters)
         dist.barrier()
-        if data is None:
-            data = prepare_demo_data(cache, d.tokenizer_vocab_size)
-        train = TokenSamples(data.train_tokens, t.seq_length)
-        valid = TokenSamples(data.valid_tokens, t.seq_length)
-        order = SampleOrder(len(train), t.seed)
-        source = BatchSource(train, order, self.env.world_size, t.micro_batch_size, self.accum)
+        if not self.is_writer:
+            train, valid = build()
+        source = BatchSource(train, None, self.env.world_size, t.micro_batch_size, self.accum)
         return source, valid
 
     # --- one step -------------------------------------------------------------------------
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        if int(batch.max()) >= self.cfg.model.vocab_size or int(batch.min()) < 0:
+            raise ValueError(f"the data holds token id {int(batch.max())} but the model's vocab_size is "
+                             f"{self.cfg.model.vocab_size}: the data was tokenised with a larger vocabulary")
         batch = batch.to(self.device, non_blocking=True)
         logits = self.backend.forward(batch[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
