@@ -22,8 +22,11 @@ setup(
     extras_require={
         # the DeepSpeed backend reads ZeRO-3's partitions: 0.19.8 is the version it is tested with
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        # Hugging Face tokenizer.json files for tools/preprocess_data.py (--tokenizer-type HuggingFaceTokenizer)
+        "data": ["tokenizers>=0.19"],
+        # megatron-core: format compatibility tests of the indexed datasets (its dataset code needs no GPU)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
-                 "deepspeed==0.19.8"],
+                 "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1"],
     },
     entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},
 )

@@ -5,7 +5,9 @@ indexed datasets, ``{output_prefix}_{key}_document.bin/.idx`` per JSON key; Mega
 
 Usage: python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
            --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
-Exit status: 0 done, 2 bad input or arguments (nothing written), 130 interrupted.
+Blank JSONL lines are skipped; documents with no tokens are dropped (Megatron stores no
+sequence for them). Outputs appear only when complete. Exit status: 0 done, 2 bad input or
+arguments (nothing written), 130 interrupted (nothing written).
 """
 
 import argparse
@@ -29,7 +31,8 @@ _UNSUPPORTED = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    description, epilog = __doc__.split("\n\n", 1)
+    p = argparse.ArgumentParser(description=description, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="a .jsonl, .jsonl.gz, .txt or .txt.gz file")

@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -148,21 +149,35 @@ def _encode_in_worker(batch):
     return _worker_encoder(batch)
 
 
+def default_start_method() -> str:
+    """``fork`` when available and this process has one OS thread (fast, and safe then), else ``spawn``."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        try:
+            if len(os.listdir("/proc/self/task")) == 1:
+                return "fork"
+        except OSError:
+            pass
+    return "spawn"
+
+
 def _encoded_batches(encoder, batches, workers: int, start_method: str | None):
     """Results of ``encoder`` on ``batches``, in order; bounded read-ahead across workers."""
     if workers <= 1:
         yield from map(encoder, batches)
         return
-    ctx = multiprocessing.get_context(start_method)
+    ctx = multiprocessing.get_context(start_method or default_start_method())
     pending = collections.deque()
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(encoder,)) as pool:
-        # Pool.imap would read the whole input ahead of slow workers; keep 4 tasks per worker in flight.
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(encoder,))
+    try:
+        # Keep 4 tasks per worker in flight (Pool.imap would read the whole input ahead of slow workers).
         for batch in batches:
-            pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+            pending.append(pool.submit(_encode_in_worker, batch))
             if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Progress:
@@ -185,12 +200,13 @@ class _Progress:
 
 def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), append_eod: bool = True,
                workers: int = 1, skip_bad: bool = False, log=None, log_interval: int = 1000,
-               start_method: str | None = "spawn") -> dict:
+               start_method: str | None = None) -> dict:
     """Tokenise ``input_path`` into ``{output_prefix}_{key}_document.bin/.idx`` per key.
 
     ``tokenizer``: an object with ``encode_batch``, ``eod_id`` and ``vocab_size``
     (picklable if ``workers > 1``), or a ``(tokenizer_type, tokenizer_model)``
-    pair. Raises ``PreprocessError`` on a malformed line (unless ``skip_bad``) or
+    pair. Workers start with ``start_method`` (default: ``default_start_method()``;
+    any method works). Raises ``PreprocessError`` on a malformed line (unless ``skip_bad``) or
     if a key ends up with no tokens; then no output file is left. Returns stats.
     """
     if isinstance(tokenizer, (tuple, list)):

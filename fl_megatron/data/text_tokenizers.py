@@ -36,6 +36,8 @@ class _SpecPickled:
 class SentencePieceTextTokenizer(_SpecPickled):
     """A SentencePiece ``.model``; EOD is the model's EOS (or ``eod_token``).
 
+    Megatron-LM's plain ``SentencePieceTokenizer`` appends its own <EOD> etc.
+    after the model's pieces; here all three types use the model's EOS instead.
     ``Llama2Tokenizer`` prepends the model's BOS to every text, as Megatron-LM's does.
     """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import tempfile
 from pathlib import Path
 
@@ -87,20 +88,36 @@ def _training_lines(documents):
                 yield line.encode("utf-8")[:_MAX_LINE_BYTES].decode("utf-8", "ignore")
 
 
+def _sample_lines(lines, k: int, seed: int) -> list[str]:
+    """A uniform sample of ``k`` of ``lines`` in input order (reservoir sampling; seeded)."""
+    rng, reservoir = random.Random(seed), []
+    for i, line in enumerate(lines):
+        if i < k:
+            reservoir.append((i, line))
+        else:
+            j = rng.randrange(i + 1)
+            if j < k:
+                reservoir[j] = (i, line)
+    return [line for _, line in sorted(reservoir)]
+
+
 def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, model_type: str = "bpe", *,
                         byte_fallback: bool = True, character_coverage: float = 0.9995,
-                        input_sentence_size: int = _MAX_TRAIN_LINES, shuffle: bool = False) -> Path:
+                        input_sentence_size: int = _MAX_TRAIN_LINES, sample_seed: int | None = None) -> Path:
     """Train a SentencePiece model on ``documents`` (any iterable of str); write it atomically.
 
     Settings are chosen for an exact ``decode(encode(x)) == x`` round trip
     (identity normalisation, whitespace kept, newline as its own piece, byte
-    fallback) and a reproducible result (one thread; by default no shuffling:
-    the first ``input_sentence_size`` lines are used, ``shuffle=True`` samples
-    them uniformly instead). EOS ``</s>`` (id 2) is the EOD token.
+    fallback) and a reproducible result (one thread; the first
+    ``input_sentence_size`` lines are used, or with ``sample_seed`` a uniform
+    sample of that many lines of the whole input). EOS ``</s>`` (id 2) is the EOD token.
     """
+    lines = _training_lines(documents)
+    if sample_seed is not None and input_sentence_size > 0:
+        lines = iter(_sample_lines(lines, input_sentence_size, sample_seed))
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_training_lines(documents),
+        sentence_iterator=lines,
         model_writer=model,
         vocab_size=vocab_size,
         model_type=model_type,
@@ -114,7 +131,7 @@ def train_sentencepiece(documents, vocab_size: int, model_path: str | Path, mode
         user_defined_symbols=["\n"],
         max_sentence_length=_MAX_LINE_BYTES * 4,
         input_sentence_size=input_sentence_size,
-        shuffle_input_sentence=shuffle,
+        shuffle_input_sentence=False,
         num_threads=1,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         minloglevel=2,
