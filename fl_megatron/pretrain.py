@@ -29,6 +29,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         accum = cfg.accumulation_steps(world)
     except ValueError as e:
         return _fail(str(e))
+    rpn = cfg.parallel.ranks_per_node
+    if not planning and rpn is not None and _launcher_names_local_world() and rpn != env.local_world_size:
+        return _fail(f"--ranks-per-node {rpn} does not match the {env.local_world_size} processes per node the "
+                     "launcher started; drop the flag or launch that many per node")
     if dry_run:
         from .training.dry_run import dry_run_report
         print(dry_run_report(cfg, layout, accum))
@@ -52,6 +56,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _launcher_names_local_world() -> bool:
+    """Whether the launcher said how many processes run on this node."""
+    return any(os.environ.get(name) for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
+                                                  "SLURM_TASKS_PER_NODE"))
 
 
 def _check_data(cfg) -> None:

@@ -53,6 +53,7 @@ BASE = ["--model", "llama-tiny"]
     (["--backend", "megatron"], ["backend='megatron'"]),
     (["--world-size", "16"], ["--world-size 16", "WORLD_SIZE=8"]),
     (["--fl-bucket-mb", "0"], ["bucket_mb=0"]),
+    (["--ranks-per-node", "8"], ["--ranks-per-node 8 does not match the 4 processes per node"]),
     (["--micro-batch-size", "0"], ["micro_batch_size=0"]),
 ])
 def test_invalid_flags_fail_before_process_groups(launched, capsys, flags, needles):

@@ -129,6 +129,8 @@ def test_blend_follows_the_weights_and_reads_each_source_in_order(tmp_path):
         assert abs(share - weight) <= 0.01 * weight, (source, share)
         locals_ = [blend.source_of(k)[1] for k in np.flatnonzero(which == source)[:200]]
         assert locals_ == list(range(len(locals_)))
+    # blended datasets of the same size are not shuffled in lockstep
+    assert not np.array_equal(blend.sources[0]._epoch_index(0)["docs"], blend.sources[1]._epoch_index(0)["docs"])
     # the token ranges tell the sources apart
     origin = [0 if blend[k][0] < 500_000 else 1 if blend[k][0] < 900_000 else 2 for k in range(300)]
     assert origin == which[:300].tolist()

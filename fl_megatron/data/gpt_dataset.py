@@ -1,7 +1,7 @@
 """GPT training samples over Megatron indexed datasets (Megatron's GPTDataset semantics).
 
 A split of a dataset is a contiguous range of its documents (`--split 969,30,1`). Every epoch
-the split's documents are shuffled (seeded by seed, split name and epoch), concatenated into
+the split's documents are shuffled (seeded by seed, split, position in a blend and epoch), concatenated into
 one token stream and cut into samples of seq_length + 1 tokens that run across document
 boundaries (each sample's last token is the next sample's first); the samples of the epoch
 are then shuffled. Global sample counter k reads sample k % S of epoch k // S, so a new epoch
@@ -50,8 +50,11 @@ class DocumentSamples:
     """Samples of one split of one indexed dataset; `self[k]` for any counter k >= 0."""
 
     def __init__(self, dataset: IndexedDataset, documents: tuple[int, int], seq_length: int, seed: int,
-                 split: str, cache_dir: Optional[Path] = None) -> None:
+                 split: str, cache_dir: Optional[Path] = None, stream: int = 0) -> None:
+        """`stream`: the dataset's position in a blend, so that blended datasets of equal size
+        are not shuffled in lockstep."""
         self.dataset, self.seq_length, self.seed, self.split = dataset, seq_length, seed, split
+        self.stream = stream
         self.first_doc, self.stop_doc = documents
         lengths = np.asarray(dataset.sequence_lengths[self.first_doc:self.stop_doc], dtype=np.int64)
         self.num_tokens = int(lengths.sum())
@@ -67,7 +70,7 @@ class DocumentSamples:
         idx = Path(str(self.dataset.prefix) + ".idx")
         stat = idx.stat()
         fields = [INDEX_VERSION, str(idx.resolve()), stat.st_size, stat.st_mtime_ns, self.first_doc,
-                  self.stop_doc, self.seq_length, self.seed, self.split]
+                  self.stop_doc, self.seq_length, self.seed, self.split, self.stream]
         return f"{idx.stem}-{self.split}-" + hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
@@ -75,7 +78,7 @@ class DocumentSamples:
         return self.samples_per_epoch
 
     def _rng(self, epoch: int, what: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, SPLIT_NAMES.index(self.split), epoch, what])
+        return np.random.default_rng([self.seed, SPLIT_NAMES.index(self.split), self.stream, epoch, what])
 
     def _build(self, epoch: int) -> dict:
         docs = self.first_doc + self._rng(epoch, 0).permutation(self.stop_doc - self.first_doc)
@@ -208,7 +211,7 @@ def build_split_samples(data_path: Sequence[str], split: str, which: str, seq_le
     weights = parse_split(split)
     part = SPLIT_NAMES.index(which)
     sources = []
-    for _, prefix in blend:
+    for stream, (_, prefix) in enumerate(blend):
         dataset = IndexedDataset(prefix)
         ranges = split_ranges(len(dataset), weights)
         first, stop = ranges[part]
@@ -216,7 +219,7 @@ def build_split_samples(data_path: Sequence[str], split: str, which: str, seq_le
             raise ValueError(f"--split {split} leaves the {which} split of {prefix} empty "
                              f"({len(dataset)} documents: train {ranges[0][1] - ranges[0][0]}, "
                              f"valid {ranges[1][1] - ranges[1][0]}, test {ranges[2][1] - ranges[2][0]})")
-        sources.append(DocumentSamples(dataset, (first, stop), seq_length, seed, which, cache_dir))
+        sources.append(DocumentSamples(dataset, (first, stop), seq_length, seed, which, cache_dir, stream))
     if len(sources) == 1:
         return sources[0]
     return BlendedSamples(sources, [w for w, _ in blend])

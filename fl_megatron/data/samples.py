@@ -8,7 +8,6 @@ runs with different groupings bit-comparable.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 class TokenSamples:
@@ -109,8 +108,10 @@ class BatchSource:
                                 self.micro_batch_size, self.accum_steps)
         return [self.order.index(k) if self.order is not None else k for k in ids]
 
-    def micro_batch(self, rank: int, step: int, micro_index: int) -> torch.Tensor:
+    def micro_batch(self, rank: int, step: int, micro_index: int):
         """LongTensor ``[micro_batch_size, seq_length + 1]``."""
+        import torch  # here, so that preprocessing workers importing this package start fast
+
         rows = [self.samples[i] for i in self.sample_indices(rank, step, micro_index)]
         return torch.from_numpy(np.stack(rows))
 
@@ -128,7 +129,7 @@ def eval_sample_indices(num_samples: int, rank_in_group: int, group_size: int,
 
 
 def eval_batches(samples: TokenSamples, rank_in_group: int, group_size: int,
-                 micro_batch_size: int, num_batches: int) -> list[torch.Tensor]:
+                 micro_batch_size: int, num_batches: int) -> list:
     """Fixed held-out batches of one rank of a group.
 
     The group as a whole reads the first ``num_batches*group_size*micro_batch_size``
@@ -137,6 +138,8 @@ def eval_batches(samples: TokenSamples, rank_in_group: int, group_size: int,
     evaluates the same samples; a group of size ``g`` with ``num_batches=n``
     covers the same samples as a group of size 1 with ``num_batches=g*n``.
     """
+    import torch
+
     per_batch = eval_sample_indices(len(samples), rank_in_group, group_size,
                                     micro_batch_size, num_batches)
     return [torch.from_numpy(np.stack([samples[i] for i in idx])) for idx in per_batch]
