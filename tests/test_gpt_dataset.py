@@ -131,6 +131,14 @@ def test_blend_follows_the_weights_and_reads_each_source_in_order(tmp_path):
         assert locals_ == list(range(len(locals_)))
     # blended datasets of the same size are not shuffled in lockstep
     assert not np.array_equal(blend.sources[0]._epoch_index(0)["docs"], blend.sources[1]._epoch_index(0)["docs"])
+    # with a cache, the blend index is written once and memory-mapped by later processes
+    cache = tmp_path / "cache"
+    cached = build_split_samples(["0.2", a, "0.5", b, "0.3", c], "100,0,0", "train", SEQ, 1, cache)
+    cached.prepare_for(n)
+    again = build_split_samples(["0.2", a, "0.5", b, "0.3", c], "100,0,0", "train", SEQ, 1, cache)
+    assert isinstance(again._which, np.memmap) and len(again._which) == n
+    assert [again.source_of(k) for k in range(0, n, 97)] == [blend.source_of(k) for k in range(0, n, 97)]
+    assert np.array_equal(again[n + 5], blend[n + 5])  # beyond the prepared counters: computed
     # the token ranges tell the sources apart
     origin = [0 if blend[k][0] < 500_000 else 1 if blend[k][0] < 900_000 else 2 for k in range(300)]
     assert origin == which[:300].tolist()
@@ -175,3 +183,18 @@ def test_document_samples_reject_negative_counters(corpus):
     assert isinstance(samples, DocumentSamples)
     with pytest.raises(IndexError):
         samples[-1]
+
+
+def test_blend_index_computed_in_chunks_equals_one_pass(tmp_path, monkeypatch):
+    import fl_megatron.data.gpt_dataset as gd
+
+    a = _write(tmp_path / "a", [30] * 20)
+    b = _write(tmp_path / "b", [30] * 20, base=500_000)
+    blend = build_split_samples(["1", a, "2", b], "100,0,0", "train", SEQ, 1, None)
+    whole_which, whole_local = blend._compute(1000)
+    monkeypatch.setattr(gd, "_BLEND_CHUNK", 7)
+    which, local = blend._compute(1000)
+    assert np.array_equal(which, whole_which) and np.array_equal(local, whole_local)
+    # the local counters are the running count per source (an independent recount)
+    for source in (0, 1):
+        assert np.array_equal(local[which == source], np.arange(int((which == source).sum())))

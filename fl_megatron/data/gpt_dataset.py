@@ -136,49 +136,90 @@ class DocumentSamples:
         return np.concatenate(pieces).astype(np.int64, copy=False)
 
 
+_BLEND_CHUNK = 1 << 22  # blended counters computed per step (bounded temporary memory)
+
+
+def _blend_chunk(cumulative: np.ndarray, start: int, stop: int, counts: np.ndarray):
+    """(source, source counter) of blended counters [start, stop); `counts` holds how many
+    earlier counters went to each source and is advanced."""
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    positions = np.modf((np.arange(start, stop, dtype=np.float64) + 0.5) * golden)[0]
+    which = np.searchsorted(cumulative, positions, side="right").astype(np.int16)
+    local = np.empty(stop - start, dtype=np.int64)
+    for source in range(len(counts)):
+        mask = which == source
+        taken = int(mask.sum())
+        local[mask] = counts[source] + np.arange(taken, dtype=np.int64)
+        counts[source] += taken
+    return which, local
+
+
 class BlendedSamples:
     """Samples drawn from several sources in proportion to their weights.
 
     Blended counter k goes to source `which[k]` (a low-discrepancy sequence: every prefix of
     the sequence matches the weights to within a few samples) and reads that source's counter
     `local[k]` (how many earlier blended samples went to it), so each source is read in order.
+    With a cache directory, `prepare_for` writes these arrays to disk once (10 bytes per
+    counter, as Megatron's blend index) and every process memory-maps them.
     """
 
-    def __init__(self, sources: Sequence, weights: Sequence[float], size: int = 1 << 16) -> None:
+    def __init__(self, sources: Sequence, weights: Sequence[float], cache_dir: Optional[Path] = None) -> None:
         if len(sources) != len(weights) or not sources:
             raise ValueError("a blend needs one weight per source")
         self.sources = list(sources)
         self.cumulative = np.cumsum(np.asarray(weights, dtype=np.float64) / float(np.sum(weights)))
         self.cumulative[-1] = 1.0
+        keys = [getattr(s, "cache_dir", None) for s in self.sources]
+        self.cache_dir = None
+        if cache_dir is not None and all(k is not None for k in keys):
+            fields = [INDEX_VERSION, self.cumulative.tolist(), [k.name for k in keys]]
+            self.cache_dir = Path(cache_dir) / ("blend-" + hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16])
         self._which = np.zeros(0, dtype=np.int16)
         self._local = np.zeros(0, dtype=np.int64)
-        self._grow(size)
+        self._load()
 
-    def _grow(self, size: int) -> None:
-        golden = (np.sqrt(5.0) - 1.0) / 2.0
-        positions = np.modf((np.arange(size, dtype=np.float64) + 0.5) * golden)[0]
-        which = np.searchsorted(self.cumulative, positions, side="right").astype(np.int16)
-        local = np.zeros(size, dtype=np.int64)
-        for source in range(len(self.sources)):
-            mask = which == source
-            local[mask] = np.arange(int(mask.sum()), dtype=np.int64)
-        self._which, self._local = which, local
+    def _files(self) -> tuple[Path, Path]:
+        return self.cache_dir / "which.npy", self.cache_dir / "local.npy"
+
+    def _load(self) -> None:
+        if self.cache_dir is not None and self._files()[0].is_file():
+            which, local = self._files()
+            self._which, self._local = np.load(which, mmap_mode="r"), np.load(local, mmap_mode="r")
+
+    def _compute(self, size: int):
+        which = np.empty(size, dtype=np.int16)
+        local = np.empty(size, dtype=np.int64)
+        counts = np.zeros(len(self.sources), dtype=np.int64)
+        for start in range(0, size, _BLEND_CHUNK):
+            stop = min(size, start + _BLEND_CHUNK)
+            which[start:stop], local[start:stop] = _blend_chunk(self.cumulative, start, stop, counts)
+        return which, local
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)
 
     def prepare_for(self, counters: int) -> None:
-        """Build every source's cached indices that blended counters [0, counters) need."""
-        while counters > len(self._which):
-            self._grow(2 * len(self._which))
+        """Build (or find) the blend index of counters [0, counters) and every source's cached
+        indices that they need."""
+        if counters > len(self._which):
+            which, local = self._compute(counters)
+            if self.cache_dir is not None:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                which_file, local_file = self._files()
+                _save_npy(local_file, local)
+                _save_npy(which_file, which)  # last: its presence marks a complete index
+                self._load()
+            else:
+                self._which, self._local = which, local
         which = self._which[:counters]
         for i, source in enumerate(self.sources):
-            source.prepare_for(int((which == i).sum()))
+            source.prepare_for(int(np.count_nonzero(which == i)))
 
     def source_of(self, k: int) -> tuple[int, int]:
         """(source, that source's counter) of blended counter k."""
-        while k >= len(self._which):
-            self._grow(2 * len(self._which))
+        if k >= len(self._which):  # beyond what was prepared: compute in memory
+            self._which, self._local = self._compute(max(2 * k + 1, 1 << 16))
         return int(self._which[k]), int(self._local[k])
 
     def __getitem__(self, k: int) -> np.ndarray:
@@ -222,4 +263,4 @@ def build_split_samples(data_path: Sequence[str], split: str, which: str, seq_le
         sources.append(DocumentSamples(dataset, (first, stop), seq_length, seed, which, cache_dir, stream))
     if len(sources) == 1:
         return sources[0]
-    return BlendedSamples(sources, [w for w, _ in blend])
+    return BlendedSamples(sources, [w for w, _ in blend], cache_dir)
