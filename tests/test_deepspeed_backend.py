@@ -44,6 +44,11 @@ def _fl_fsdp_job(rank, world, tmp, cache):
     _, hpz = train_and_gather(_ds(tmp, cache, "hpz", group_size=4, deepspeed={
         "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2, "stage3_param_persistence_threshold": 2000}}))
     out["hpz_vs_zero3"] = max_diff(hpz, zero3)
+    recompute_cfg = _ds(tmp, cache, "recompute", group_size=4, deepspeed=SMALL_PERSISTENCE)
+    recompute_cfg.training.recompute_activations = True
+    _, recomputed = train_and_gather(recompute_cfg)
+    strip = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in recomputed.items()}
+    out["recompute_vs_zero3"] = max_diff(strip, zero3)
     # a DeepSpeed scheduler block sets the learning rate (linear warm-up to 0.5 over 4 steps)
     sched = make_trainer(_ds(tmp, cache, "sched", group_size=2, deepspeed={"scheduler": {
         "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.5, "warmup_num_steps": 4,
@@ -99,6 +104,7 @@ def test_fl_fsdp_on_zero3_equals_zero3_and_syncs_are_exact(tmp_path):
     for rank, r in enumerate(results):
         assert r["fl_vs_zero3"] <= 1e-5, (rank, r)
         assert r["hpz_vs_zero3"] <= 1e-6, (rank, r)  # ZeRO++ hpZ moves data differently, same numbers
+        assert r["recompute_vs_zero3"] <= 1e-6, (rank, r)  # activation recomputation: same numbers
         # WarmupLR's closed form: min_lr until it has stepped once, then min + (max - min) * i / 4
         # for i = 0, 1, ... (DeepSpeed's own semantics: the first two steps both run at min_lr)
         assert r["scheduled_lrs"] == pytest.approx([0.0, 0.0, 0.125]), r["scheduled_lrs"]
