@@ -30,22 +30,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         return _fail(str(e))
     rpn = cfg.parallel.ranks_per_node
-    if not planning and rpn is not None and _launcher_names_local_world() and rpn != env.local_world_size:
+    if not planning and rpn is not None and env.local_world_from_launcher and rpn != env.local_world_size:
         return _fail(f"--ranks-per-node {rpn} does not match the {env.local_world_size} processes per node the "
                      "launcher started; drop the flag or launch that many per node")
     if dry_run:
         from .training.dry_run import dry_run_report
         print(dry_run_report(cfg, layout, accum))
         return 0
+    samples = None
     if cfg.data.source == "indexed":
+        from .data.sources import run_samples
+
+        t = cfg.training
         try:  # open every data file and check the splits before any process group exists
-            _check_data(cfg)
+            samples = run_samples(cfg.data, t.seq_length, t.seed, cfg.model.vocab_size, bool(t.eval_iters))
         except (ValueError, OSError) as e:
             return _fail(str(e))
     from .training.trainer import Trainer
     import torch.distributed as dist
 
-    trainer = Trainer(cfg, env, layout)
+    trainer = Trainer(cfg, env, layout, samples)
     try:
         trainer.train()
         # Leave together: a rank tearing down gloo while a peer is still in its last
@@ -56,21 +60,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def _launcher_names_local_world() -> bool:
-    """Whether the launcher said how many processes run on this node."""
-    return any(os.environ.get(name) for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
-                                                  "SLURM_TASKS_PER_NODE"))
-
-
-def _check_data(cfg) -> None:
-    """Open the --data-path datasets and build the splits training needs (no index caches)."""
-    from .data.gpt_dataset import build_split_samples
-
-    t = cfg.training
-    for split in ("train", "valid") if t.eval_iters else ("train",):
-        build_split_samples(cfg.data.data_path, cfg.data.split, split, t.seq_length, t.seed, None)
 
 
 def _fail(message: str) -> int:

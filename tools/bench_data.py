@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from fl_megatron.data import demo_corpus_path, load_documents, prepare_demo_data
+from fl_megatron.config.data import DataConfig
 from fl_megatron.data.gpt_dataset import build_split_samples
+from fl_megatron.data.sources import cache_dir
 from fl_megatron.data.preprocess import default_start_method, preprocess
 from fl_megatron.data.text_tokenizers import SUPPORTED_TYPES, build_tokenizer
 
@@ -58,8 +60,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = args.tokenizer_model
     if model is None:
-        cache = os.environ.get("FL_MEGATRON_CACHE") or Path.home() / ".cache" / "fl-megatron"
-        model = prepare_demo_data(cache).tokenizer_path
+        model = prepare_demo_data(cache_dir(DataConfig())).tokenizer_path
     tokenizer = build_tokenizer(args.tokenizer_type, model)
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         src = Path(tmp) / "input.jsonl"

@@ -270,8 +270,10 @@ class DeepSpeedBackend:
         else:
             lr = self.engine.get_lr()[0]
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return torch.tensor(float(norm if norm is not None else float("nan")), device=self.device), lr
+        norm = self.engine.get_global_grad_norm()  # ZeRO-3 keeps it as a tensor: no host sync here
+        if not isinstance(norm, torch.Tensor):
+            norm = torch.tensor(float("nan") if norm is None else float(norm))
+        return norm.detach().to(self.device, torch.float32).reshape(()), lr
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

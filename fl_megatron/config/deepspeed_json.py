@@ -9,9 +9,9 @@ other key reaches DeepSpeed unchanged.
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Optional
 
+from .json_file import read_json_object
 from .parallel import FederationConfig
 
 # DeepSpeed key -> training field it sets.
@@ -32,17 +32,7 @@ _UNSUPPORTED_ZERO_KEYS = {
 
 def load_deepspeed_json(path: str) -> dict:
     """Read a DeepSpeed config file; errors name the file and position."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"DeepSpeed config {path} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {e.msg} at line {e.lineno}, "
-                         f"column {e.colno}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"DeepSpeed config {path}: the top level must be an object")
-    return data
+    return read_json_object(path, "DeepSpeed config")
 
 
 def _enabled(ds: dict, key: str, where: str) -> bool:
@@ -52,6 +42,14 @@ def _enabled(ds: dict, key: str, where: str) -> bool:
     if not isinstance(block, dict):
         raise ValueError(f"{where}: {key!r} must be an object like {{\"enabled\": true}}")
     return bool(block.get("enabled", False))
+
+
+def _in_use(value) -> bool:
+    """Whether a zero_optimization entry turns its feature on (offload blocks with device
+    "none" and empty or zero values do not)."""
+    if isinstance(value, dict):
+        return bool(value) and value.get("device", "none") != "none"
+    return value not in (None, 0)
 
 
 def split_deepspeed_json(ds: dict, where: str) -> tuple[dict, dict, dict]:
@@ -94,8 +92,7 @@ def split_deepspeed_json(ds: dict, where: str) -> tuple[dict, dict, dict]:
             raise ValueError(f"{where}: zero_optimization.stage is {stage!r}; fl-megatron's DeepSpeed "
                              "backend shards with ZeRO stage 3 (set \"stage\": 3)")
         for key, why in _UNSUPPORTED_ZERO_KEYS.items():
-            if zero.get(key) not in (None, {}, 0) and not (isinstance(zero.get(key), dict)
-                                                            and zero[key].get("device", "none") == "none"):
+            if _in_use(zero.get(key)):
                 raise ValueError(f"{where}: zero_optimization.{key}: {why}")
 
     optimizer = ds.get("optimizer")

@@ -7,10 +7,10 @@ import argparse
 import dataclasses
 import json
 import typing
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .deepspeed_json import check_against_flags, load_deepspeed_json, split_deepspeed_json
+from .json_file import read_json_object
 from .run import SECTIONS, RunConfig
 
 # Flags whose names differ from "--" + field name with dashes.
@@ -98,15 +98,7 @@ def _apply(target, values: dict, where: str) -> None:
 
 def load_json(path: str) -> dict:
     """Read a JSON config file; errors name the file and position."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: the top level must be an object with sections {', '.join(SECTIONS)}")
+    data = read_json_object(path, "config file", f"an object with sections {', '.join(SECTIONS)}")
     unknown = sorted(set(data) - set(SECTIONS) - {"deepspeed"})
     if unknown:
         raise ValueError(f"config file {path}: unknown section(s) {', '.join(unknown)}; "

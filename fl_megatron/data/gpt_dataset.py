@@ -82,7 +82,7 @@ class DocumentSamples:
 
     def _build(self, epoch: int) -> dict:
         docs = self.first_doc + self._rng(epoch, 0).permutation(self.stop_doc - self.first_doc)
-        lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)[docs]
+        lengths = self.dataset.sequence_lengths[docs].astype(np.int64)
         starts = np.zeros(len(docs) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
         order_dtype = np.int32 if self.samples_per_epoch < 2**31 else np.int64
@@ -218,6 +218,8 @@ class BlendedSamples:
 
     def source_of(self, k: int) -> tuple[int, int]:
         """(source, that source's counter) of blended counter k."""
+        if k >= len(self._which) and self.cache_dir is not None:
+            self._load()  # another process may have prepared it since this object was made
         if k >= len(self._which):  # beyond what was prepared: compute in memory
             self._which, self._local = self._compute(max(2 * k + 1, 1 << 16))
         return int(self._which[k]), int(self._local[k])
@@ -245,22 +247,29 @@ class MockSamples:
         return rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
 
 
-def build_split_samples(data_path: Sequence[str], split: str, which: str, seq_length: int, seed: int,
-                        cache_dir: Optional[Path]):
-    """The samples of split `which` ("train", "valid" or "test") of a (blended) --data-path."""
+def build_splits(data_path: Sequence[str], split: str, splits: Sequence[str], seq_length: int, seed: int,
+                 cache_dir: Optional[Path]) -> dict:
+    """The samples of each split in `splits` ("train", "valid", "test") of a (blended)
+    --data-path; every dataset is opened (and validated) once for all of them."""
     blend = parse_data_path(data_path)
     weights = parse_split(split)
-    part = SPLIT_NAMES.index(which)
-    sources = []
+    sources: dict = {which: [] for which in splits}
     for stream, (_, prefix) in enumerate(blend):
         dataset = IndexedDataset(prefix)
         ranges = split_ranges(len(dataset), weights)
-        first, stop = ranges[part]
-        if stop <= first:
-            raise ValueError(f"--split {split} leaves the {which} split of {prefix} empty "
-                             f"({len(dataset)} documents: train {ranges[0][1] - ranges[0][0]}, "
-                             f"valid {ranges[1][1] - ranges[1][0]}, test {ranges[2][1] - ranges[2][0]})")
-        sources.append(DocumentSamples(dataset, (first, stop), seq_length, seed, which, cache_dir, stream))
-    if len(sources) == 1:
-        return sources[0]
-    return BlendedSamples(sources, [w for w, _ in blend], cache_dir)
+        for which in splits:
+            first, stop = ranges[SPLIT_NAMES.index(which)]
+            if stop <= first:
+                raise ValueError(f"--split {split} leaves the {which} split of {prefix} empty "
+                                 f"({len(dataset)} documents: train {ranges[0][1] - ranges[0][0]}, "
+                                 f"valid {ranges[1][1] - ranges[1][0]}, test {ranges[2][1] - ranges[2][0]})")
+            sources[which].append(DocumentSamples(dataset, (first, stop), seq_length, seed, which, cache_dir, stream))
+    weights_of_blend = [w for w, _ in blend]
+    return {which: parts[0] if len(parts) == 1 else BlendedSamples(parts, weights_of_blend, cache_dir)
+            for which, parts in sources.items()}
+
+
+def build_split_samples(data_path: Sequence[str], split: str, which: str, seq_length: int, seed: int,
+                        cache_dir: Optional[Path]):
+    """The samples of one split `which` of a (blended) --data-path."""
+    return build_splits(data_path, split, [which], seq_length, seed, cache_dir)[which]

@@ -4,25 +4,30 @@ at first use), or mock tokens."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Optional
 
 from ..config.data import DataConfig
 from .demo import prepare_demo_data
-from .gpt_dataset import MockSamples, build_split_samples
+from .gpt_dataset import MockSamples, build_splits
 
 
-def data_prefixes(data: DataConfig, cache_dir: Path) -> list[str]:
-    """--data-path, or the demo corpus's indexed dataset (built under `cache_dir` on first use)."""
-    if data.source == "indexed":
-        return list(data.data_path)
-    return [str(prepare_demo_data(cache_dir, data.tokenizer_vocab_size).prefix)]
+def cache_dir(data: DataConfig) -> Path:
+    """--data-cache-path, else $FL_MEGATRON_CACHE, else ~/.cache/fl-megatron."""
+    if data.data_cache_dir:
+        return Path(data.data_cache_dir)
+    return Path(os.environ.get("FL_MEGATRON_CACHE") or Path.home() / ".cache" / "fl-megatron")
 
 
-def split_samples(data: DataConfig, prefixes: list[str], which: str, seq_length: int, seed: int,
-                  vocab_size: int, cache_dir: Optional[Path]):
-    """Samples of split `which` ("train" or "valid"); counters index them directly."""
+def run_samples(data: DataConfig, seq_length: int, seed: int, vocab_size: int, with_valid: bool):
+    """(train samples, valid samples or None); counters index them directly. The demo corpus
+    is prepared under the cache directory first if it is the source."""
     if data.source == "mock":
-        return MockSamples(vocab_size, seq_length, seed + (which != "train"))
-    index_cache = cache_dir / "indices" if cache_dir is not None else None
-    return build_split_samples(prefixes, data.split, which, seq_length, seed, index_cache)
+        return (MockSamples(vocab_size, seq_length, seed),
+                MockSamples(vocab_size, seq_length, seed + 1) if with_valid else None)
+    cache = cache_dir(data)
+    prefixes = list(data.data_path) if data.source == "indexed" else \
+        [str(prepare_demo_data(cache, data.tokenizer_vocab_size).prefix)]
+    splits = build_splits(prefixes, data.split, ["train", "valid"] if with_valid else ["train"],
+                          seq_length, seed, cache / "indices")
+    return splits["train"], splits.get("valid")

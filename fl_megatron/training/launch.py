@@ -2,7 +2,7 @@
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,8 @@ class LaunchEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    # whether the launcher said how many processes run on this node (else it is a guess)
+    local_world_from_launcher: bool = field(default=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -50,10 +52,13 @@ def read_launch_env() -> LaunchEnv:
     # torchrun: LOCAL_WORLD_SIZE; the deepspeed launcher: LOCAL_SIZE; srun: SLURM_NTASKS_PER_NODE
     local_world = _int_env(("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"), None)
     if local_world is None:
-        local_world = _slurm_tasks_per_node() or world
+        local_world = _slurm_tasks_per_node()
+    from_launcher = local_world is not None
+    if local_world is None:
+        local_world = world
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world} ranks (check RANK / WORLD_SIZE)")
-    return LaunchEnv(rank, world, local_rank, local_world)
+    return LaunchEnv(rank, world, local_rank, local_world, from_launcher)
 
 
 def init_distributed(env: LaunchEnv, timeout_minutes: float) -> None:

@@ -1,10 +1,8 @@
 """The training loop: build everything from the config, train, sync, evaluate, report."""
 
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -15,7 +13,7 @@ from ..backends import make_backend
 from ..config import RunConfig
 from ..config.flags import config_to_json
 from ..data import BatchSource, eval_batches
-from ..data.sources import data_prefixes, split_samples
+from ..data.sources import run_samples
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from ..topology import Layout
 from .console import batch_line, federation_line, format_duration, progress_line, say
@@ -23,11 +21,6 @@ from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
 from .run_files import RunFiles
-
-
-def default_cache_dir() -> Path:
-    """Where the demo tokenizer and token arrays are cached ($FL_MEGATRON_CACHE overrides)."""
-    return Path(os.environ.get("FL_MEGATRON_CACHE") or Path.home() / ".cache" / "fl-megatron")
 
 
 @dataclass
@@ -40,7 +33,8 @@ class _Calibrated:
 class Trainer:
     """One rank's training run. Construct after the config was validated for this world."""
 
-    def __init__(self, cfg: RunConfig, env: LaunchEnv, layout: Layout) -> None:
+    def __init__(self, cfg: RunConfig, env: LaunchEnv, layout: Layout, samples=None) -> None:
+        """`samples`: (train, valid) samples already opened by the caller, or None to open them."""
         self.cfg, self.env, self.layout = cfg, env, layout
         self.is_writer = env.rank == 0
         t = cfg.training
@@ -51,7 +45,7 @@ class Trainer:
         self.files.write_config(config_to_json(cfg))
         self._banner()
         torch.manual_seed(t.seed)
-        self.train_source, self.valid_samples = self._load_data()
+        self.train_source, self.valid_samples = self._load_data(samples)
         self.groups = build_process_groups(layout, self.device.type)
         self.backend = make_backend(cfg, self.groups, self.device)
         self.ledger = CommLedger()
@@ -79,36 +73,31 @@ class Trainer:
         ]
         say("\n".join(lines))
 
-    def _load_data(self):
-        """Train and valid samples. Rank 0 prepares data and index caches first, the others
-        then open what it built (files are written atomically, so a crash leaves no half file)."""
+    def _load_data(self, samples=None):
+        """Train and valid samples (`samples`, if the caller already opened them). Rank 0
+        prepares data and index caches first, the others then open what it built (files are
+        written atomically, so a crash leaves no half file)."""
         d, t = self.cfg.data, self.cfg.training
-        cache = Path(d.data_cache_dir) if d.data_cache_dir else default_cache_dir()
-        total = t.train_iters * self.accum * t.micro_batch_size * self.env.world_size
-        eval_counters = t.eval_iters * t.micro_batch_size * self.env.world_size
 
         def build():
-            prefixes = data_prefixes(d, cache) if d.source != "mock" else []
-            train = split_samples(d, prefixes, "train", t.seq_length, t.seed, self.cfg.model.vocab_size, cache)
-            valid = split_samples(d, prefixes, "valid", t.seq_length, t.seed, self.cfg.model.vocab_size, cache) \
-                if t.eval_iters else None
-            return train, valid
+            return run_samples(d, t.seq_length, t.seed, self.cfg.model.vocab_size, bool(t.eval_iters))
 
         if self.is_writer:
-            train, valid = build()
-            train.prepare_for(total)
+            train, valid = samples or build()
+            train.prepare_for(t.train_iters * self.accum * t.micro_batch_size * self.env.world_size)
             if valid is not None:
-                valid.prepare_for(eval_counters)
+                valid.prepare_for(t.eval_iters * t.micro_batch_size * self.env.world_size)
         dist.barrier()
         if not self.is_writer:
-            train, valid = build()
+            train, valid = samples or build()
         source = BatchSource(train, None, self.env.world_size, t.micro_batch_size, self.accum)
         return source, valid
 
     # --- one step -------------------------------------------------------------------------
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        if int(batch.max()) >= self.cfg.model.vocab_size or int(batch.min()) < 0:
-            raise ValueError(f"the data holds token id {int(batch.max())} but the model's vocab_size is "
+        low, high = torch.aminmax(batch)
+        if int(high) >= self.cfg.model.vocab_size or int(low) < 0:
+            raise ValueError(f"the data holds token id {int(high)} but the model's vocab_size is "
                              f"{self.cfg.model.vocab_size}: the data was tokenised with a larger vocabulary")
         batch = batch.to(self.device, non_blocking=True)
         logits = self.backend.forward(batch[:, :-1])
