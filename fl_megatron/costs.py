@@ -236,3 +236,12 @@ def format_bytes(n: float) -> str:
         value, unit = value / 1024, unit + 1
     sign = "-" if n < 0 else ""
     return f"{sign}{value:.0f} B" if unit == 0 else f"{sign}{value:.1f} {units[unit]}"
+
+
+def checkpoint_bytes(num_params: int, num_groups: int, optimizer: str, sgd_momentum: float = 0.0) -> dict:
+    """Checkpoint size on disk: fp32 parameters plus the optimizer's fp32 state per parameter
+    (AdamW: two moments; SGD: a momentum buffer when momentum > 0), for every group ("exact")
+    or once ("compact")."""
+    states = 2 if optimizer == "adamw" else (1 if sgd_momentum > 0 else 0)
+    one_group = num_params * 4 * (1 + states)
+    return {"exact": one_group * num_groups, "compact": one_group}

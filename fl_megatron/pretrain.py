@@ -1,19 +1,29 @@
 """Command line: `torchrun --nproc-per-node N -m fl_megatron.pretrain [flags]`.
 
 `--dry-run` validates and plans in one process, for any --world-size, without starting anything.
+Everything a user can get wrong (flags, data files, checkpoints, Hugging Face directories) is
+checked here, on every rank, before any process group exists.
 """
 
 import os
 import sys
+import time
 from typing import Optional, Sequence
+
+# A rank that is not the reporter waits this long before exiting with a configuration error, so
+# that the reporter's message reaches the launcher before it kills the job's other processes.
+REPORTER_HEAD_START_S = 3.0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .config.flags import parse_args
     from .training.launch import read_launch_env
 
-    cfg, ns = parse_args(argv)
-    env = read_launch_env()
+    try:
+        cfg, ns = parse_args(argv)
+        env = read_launch_env()
+    except ValueError as e:
+        return _fail(str(e))
     dry_run = getattr(ns, "dry_run", False)
     world = env.world_size
     if cfg.parallel.world_size is not None:
@@ -24,9 +34,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # a dry run plans for --world-size, not for the processes that happen to run it
     planning = dry_run and (cfg.parallel.world_size or "LOCAL_WORLD_SIZE" not in os.environ)
     local_world = None if planning else env.local_world_size
+    from .config.resolved import resolve
     try:
-        layout = cfg.validate(world, local_world)
-        accum = cfg.accumulation_steps(world)
+        run = resolve(cfg, world, local_world)
     except ValueError as e:
         return _fail(str(e))
     rpn = cfg.parallel.ranks_per_node
@@ -35,21 +45,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "launcher started; drop the flag or launch that many per node")
     if dry_run:
         from .training.dry_run import dry_run_report
-        print(dry_run_report(cfg, layout, accum))
+        print(dry_run_report(run))
         return 0
-    samples = None
-    if cfg.data.source == "indexed":
-        from .data.sources import run_samples
-
-        t = cfg.training
-        try:  # open every data file and check the splits before any process group exists
-            samples = run_samples(cfg.data, t.seq_length, t.seed, cfg.model.vocab_size, bool(t.eval_iters))
-        except (ValueError, OSError) as e:
-            return _fail(str(e))
+    try:
+        _check_sources(run)
+        samples = _open_data(run)
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
     from .training.trainer import Trainer
     import torch.distributed as dist
 
-    trainer = Trainer(cfg, env, layout, samples)
+    trainer = Trainer(run, env, samples)
     try:
         trainer.train()
         # Leave together: a rank tearing down gloo while a peer is still in its last
@@ -62,10 +68,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _check_sources(run) -> None:
+    """The checkpoint --load would resume from, or the --init-from-hf directory, fits the run."""
+    from pathlib import Path
+
+    from .checkpoint import find_checkpoint, source_groups, will_resume
+
+    options = run.cfg.checkpoint
+    if will_resume(run):
+        _, meta = find_checkpoint(Path(options.load))
+        source_groups(meta, run)
+    elif options.init_from_hf:
+        from .convert.hf_init import check_hf_source
+
+        check_hf_source(options.init_from_hf, run.cfg.model)
+
+
+def _open_data(run):
+    """Open every data file and check the splits (indexed data only; None otherwise)."""
+    if run.cfg.data.source != "indexed":
+        return None
+    from .data.sources import run_samples
+
+    t = run.cfg.training
+    return run_samples(run.cfg.data, t.seq_length, t.seed, run.cfg.model.vocab_size, bool(t.eval_iters))
+
+
+def _local_rank() -> int:
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def _fail(message: str) -> int:
-    """Report a configuration error (once per job: every rank finds the same one) and exit 2."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(f"fl_megatron.pretrain: error: {message}", file=sys.stderr)
+    """Report a configuration error and exit 2. Every rank finds the same error; local rank 0
+    of each node prints it (once per node). Under torchrun every rank also records it in
+    torchrun's error file, which torchrun prints as the failure's root cause; the other ranks
+    give the reporter a head start before exiting, since a launcher kills the rest of the job
+    as soon as one process fails."""
+    text = f"fl_megatron.pretrain: error: {message}"
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            raise SystemExit(text)
+        except SystemExit as e:
+            ErrorHandler().record_exception(e)
+    if _local_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        time.sleep(REPORTER_HEAD_START_S)
     return 2
 
 

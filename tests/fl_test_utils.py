@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from fl_megatron.config import RunConfig
+from fl_megatron.config import RunConfig, resolve
 from fl_megatron.models import get_preset
 from fl_megatron.training.launch import read_launch_env
 from fl_megatron.training.trainer import Trainer
@@ -36,8 +36,7 @@ def tiny_config(run_dir: str, cache_dir: str, *, group_size: int, shard_size=Non
 
 def make_trainer(cfg: RunConfig) -> Trainer:
     env = read_launch_env()
-    layout = cfg.validate(env.world_size, env.local_world_size)
-    return Trainer(cfg, env, layout)
+    return Trainer(resolve(cfg, env.world_size, env.local_world_size), env)
 
 
 def train_and_gather(cfg: RunConfig):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fl_megatron.backends import FSDP2Backend
+from fl_megatron.backends import FSDP2Backend, SeededValues
+from fl_megatron.config import RunConfig, resolve
 from fl_megatron.federation import build_process_groups
 from fl_megatron.models import build_model, get_preset, init_model_
-from fl_megatron.topology import make_layout
 
 
 def _tiny():
@@ -14,6 +14,15 @@ def _tiny():
     cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size = 2, 64, 96, 128
     cfg.num_attention_heads, cfg.num_query_groups = 4, 2
     return cfg
+
+
+def _backend(cfg, seed: int, recompute: bool = False) -> FSDP2Backend:
+    run = RunConfig(model=cfg)
+    run.training.recompute_activations = recompute
+    run.data.mock_data = True
+    resolved = resolve(run, 1)
+    groups = build_process_groups(resolved.layout, "cpu")
+    return FSDP2Backend(resolved, groups, torch.device("cpu"), SeededValues(cfg, seed))
 
 
 def _attention_calls(backend, tokens) -> int:
@@ -29,10 +38,9 @@ def _attention_calls(backend, tokens) -> int:
 
 def test_recompute_reruns_blocks_in_backward_and_keeps_weights(world):
     cfg = _tiny()
-    groups = build_process_groups(make_layout(1), "cpu")
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    plain = FSDP2Backend(cfg, groups, torch.device("cpu"), seed=3)
-    recompute = FSDP2Backend(cfg, groups, torch.device("cpu"), seed=3, recompute_activations=True)
+    plain = _backend(cfg, seed=3)
+    recompute = _backend(cfg, seed=3, recompute=True)
     assert _attention_calls(plain, tokens) == cfg.num_layers
     assert _attention_calls(recompute, tokens) == 2 * cfg.num_layers
     # same weights (the wrapper does not change the initialisation) and the same gradients
@@ -43,8 +51,7 @@ def test_recompute_reruns_blocks_in_backward_and_keeps_weights(world):
 
 def test_sharded_model_matches_the_unsharded_reference_and_shards_are_flat(world):
     cfg = _tiny()
-    groups = build_process_groups(make_layout(1), "cpu")
-    backend = FSDP2Backend(cfg, groups, torch.device("cpu"), seed=5)
+    backend = _backend(cfg, seed=5)
     reference = init_model_(build_model(cfg, "cpu"), cfg, seed=5)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(backend.forward(tokens), reference(tokens), rtol=0, atol=1e-6)
@@ -57,8 +64,7 @@ def test_sharded_model_matches_the_unsharded_reference_and_shards_are_flat(world
 def test_clipping_scales_the_sharded_gradients_to_the_limit(world):
     """Regression: the norm was computed but the DTensor gradients were left unscaled."""
     cfg = _tiny()
-    groups = build_process_groups(make_layout(1), "cpu")
-    backend = FSDP2Backend(cfg, groups, torch.device("cpu"), seed=5)
+    backend = _backend(cfg, seed=5)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     backend.forward(tokens).float().pow(2).mean().backward()
     before = torch.cat([p.grad.to_local().reshape(-1) for p in backend.model.parameters()])

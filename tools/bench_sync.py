@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.backends import make_backend
-from fl_megatron.config import FederationConfig, ModelConfig, RunConfig
+from fl_megatron.config import FederationConfig, ModelConfig, RunConfig, resolve
 from fl_megatron.federation import FederationEngine, build_process_groups
 from fl_megatron.local_ranks import run_ranks
 from fl_megatron.models import count_parameters
@@ -51,16 +51,14 @@ def run_config(args, backend: str, group_size: int, shard_size=None, world: int 
     t.bf16 = args.bf16
     cfg.federation = FederationConfig(group_size=group_size, hsdp_shard_size=shard_size, sync_interval=1,
                                       bucket_mb=args.bucket_mb)
-    cfg.validate(world, world)
     return cfg
 
 
 def _build(args, world, backend_name, group_size, shard_size=None):
-    """(layout, process groups, backend) on this rank."""
-    cfg = run_config(args, backend_name, group_size, shard_size, world)
-    layout = cfg.layout(world, world)
-    groups = build_process_groups(layout, "cpu")
-    return cfg, groups, make_backend(cfg, groups, torch.device("cpu"))
+    """(config, process groups, backend) on this rank."""
+    run = resolve(run_config(args, backend_name, group_size, shard_size, world), world, world)
+    groups = build_process_groups(run.layout, "cpu")
+    return run.cfg, groups, make_backend(run, groups, torch.device("cpu"))
 
 
 def _slowest(seconds: float) -> float:

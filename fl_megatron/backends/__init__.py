@@ -1,29 +1,39 @@
 """Sharding backends: each wraps a model for sharded training inside its federation group.
 
-Only modules here import framework-specific sharding code. A backend exposes the engine's
-contract (`local_shards`, `refresh_after_sync`) plus what the trainer needs (`forward`,
-`backward`, `optimizer_step`, `full_state_dict`). DeepSpeed is imported only when its
-backend is used (it is an optional dependency).
+Only modules here import framework-specific sharding code. Every backend follows
+`fl_megatron.federation.contract.TrainingBackend` and is built the same way:
+`Backend(run, groups, device, initial)`. DeepSpeed is imported only when its backend is used
+(it is an optional dependency).
 """
 
+import torch
+
+from ..config.parallel import BACKENDS
+from ..config.resolved import ResolvedRun
+from ..federation.contract import TrainingBackend
+from ..federation.groups import ProcessGroups
+from .common import InitialValues, SeededValues
 from .fsdp2 import FSDP2Backend
 
-BACKEND_NAMES = ("fsdp2", "deepspeed")
 
-
-def make_backend(cfg, groups, device):
-    """The backend `cfg.parallel.backend`, with the group's optimizer, for a validated RunConfig."""
-    name, t = cfg.parallel.backend, cfg.training
+def backend_class(name: str) -> type:
+    """The class of backend `name` (imports DeepSpeed only when it is asked for)."""
     if name == "fsdp2":
-        backend = FSDP2Backend(cfg.model, groups, device, seed=t.seed, bf16=t.bf16,
-                               recompute_activations=t.recompute_activations)
-        backend.attach_optimizer(t)
-        return backend
+        return FSDP2Backend
     if name == "deepspeed":
         from .deepspeed_zero3 import DeepSpeedBackend
 
-        return DeepSpeedBackend(cfg, groups, device)
-    raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
+        return DeepSpeedBackend
+    raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKEND_NAMES", "FSDP2Backend", "make_backend"]
+def make_backend(run: ResolvedRun, groups: ProcessGroups, device: torch.device,
+                 initial: InitialValues | None = None) -> TrainingBackend:
+    """The backend `run.cfg.parallel.backend`, with its optimizer, its shards starting from
+    `initial` (default: the seeded initialisation)."""
+    if initial is None:
+        initial = SeededValues(run.cfg.model, run.cfg.training.seed)
+    return backend_class(run.cfg.parallel.backend)(run, groups, device, initial)
+
+
+__all__ = ["BACKENDS", "FSDP2Backend", "InitialValues", "SeededValues", "backend_class", "make_backend"]

@@ -12,15 +12,19 @@ parameters the way `step()` does.
 
 import logging
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from ..config.deepspeed_json import engine_config
+from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
-from ..models import build_model, initial_rows
+from ..models import build_model
+from .common import InitialValues, flat_elements, wrap_blocks_for_recompute
 from .optimizer import build_optimizer, parameter_groups, set_learning_rate
+
+CHECKPOINT_TAG = "zero3"  # DeepSpeed's sub-directory inside a group's checkpoint directory
 
 MIN_VERSION = (0, 19, 8)
 
@@ -90,20 +94,20 @@ class DeepSpeedBackend:
     """A DeepSpeed engine (ZeRO stage 3) over this rank's shard group, initialised from the
     sharding-independent seeded weights; FL+HSDP adds a replica all-reduce of the gradients."""
 
-    def __init__(self, cfg, groups: ProcessGroups, device: torch.device) -> None:
+    def __init__(self, run: ResolvedRun, groups: ProcessGroups, device: torch.device,
+                 initial: InitialValues) -> None:
         deepspeed = _import_deepspeed()
         _skip_cpu_shm_build(deepspeed)
         # DeepSpeed's communication layer wraps the process group torch.distributed already has
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-        layout, t = groups.layout, cfg.training
-        self.groups, self.model_cfg, self.device = groups, cfg.model, device
+        cfg, layout, t = run.cfg, groups.layout, run.cfg.training
+        self.groups, self.device = groups, device
         self.shard_group = groups.mesh.get_group("shard")
         self.replica_group = groups.replica if layout.is_hsdp else None
         # every rank creates every singleton group, in the same order
         own_singleton, _ = dist.new_subgroups(group_size=1)
         mpu = GroupMpu(self.shard_group, own_singleton)
-        accumulation = cfg.accumulation_steps(layout.world_size)
-        ds_config = engine_config(cfg.deepspeed, t, layout.shard_size, t.train_iters, accumulation)
+        ds_config = engine_config(cfg.deepspeed, t, layout.shard_size, t.train_iters, run.accumulation)
         client_optimizer = None
         if device.type == "cpu":
             ds_config["optimizer"]["params"].setdefault("torch_adam", True)  # no FusedAdam build on CPU
@@ -115,8 +119,7 @@ class DeepSpeedBackend:
         with deepspeed.zero.Init(data_parallel_group=self.shard_group, config_dict_or_path=ds_config, mpu=mpu):
             model = build_model(cfg.model, device=device)
         if t.recompute_activations:
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block)
+            wrap_blocks_for_recompute(model)
         if t.optimizer == "sgd":
             client_optimizer = build_optimizer(model.named_parameters(), t)
             params = None
@@ -132,7 +135,7 @@ class DeepSpeedBackend:
         self._dp_rank = dist.get_rank(self.shard_group)
         self._dp_size = dist.get_world_size(self.shard_group)
         self._share_fp32_working_partitions()
-        self._materialise(t.seed)
+        self._materialise(initial)
 
     def _check_internals(self) -> None:
         """Fail clearly if this DeepSpeed keeps its partitions somewhere else."""
@@ -179,8 +182,8 @@ class DeepSpeedBackend:
             opt._unflatten_partitioned_parameters(i)
 
     @torch.no_grad()
-    def _materialise(self, seed: int) -> None:
-        """Write each rank's piece of the seeded initial weights into the fp32 masters, zero all
+    def _materialise(self, initial: InitialValues) -> None:
+        """Write each rank's piece of the initial weights into the fp32 masters, zero all
         padding (DeepSpeed leaves it uninitialised, and it differs between groups), then derive
         the working partitions and persistent parameters from the masters."""
         masters = self.optimizer.fp32_partitioned_groups_flat
@@ -188,13 +191,8 @@ class DeepSpeedBackend:
         for i, p, offset, size, valid in self._param_spans():
             if not valid:
                 continue
-            name = self._names[id(p)]
-            shape = tuple(p.ds_shape)
-            row = p.ds_numel // shape[0] if shape else 1
-            start = self._dp_rank * size
-            first, last = start // row, -(-(start + valid) // row)
-            rows = initial_rows(self.model_cfg, name, shape, seed, first, last).reshape(-1)
-            masters[i][offset:offset + valid].copy_(rows[start - first * row:start - first * row + valid])
+            values = flat_elements(initial, self._names[id(p)], tuple(p.ds_shape), self._dp_rank * size, valid)
+            masters[i][offset:offset + valid].copy_(values)
             used[i][offset:offset + valid] = True
         for master, working, mask in zip(masters, self.optimizer.fp16_partitioned_groups_flat, used):
             master[~mask.to(master.device)] = 0
@@ -287,3 +285,27 @@ class DeepSpeedBackend:
             dist.all_gather(pieces, piece, group=self.shard_group)
             out[self._names[id(p)]] = torch.cat(pieces)[:p.ds_numel].view(tuple(p.ds_shape)).cpu()
         return {name: out[name] for name, _ in self.model.named_parameters()}
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save_state(self, directory: Path, write: bool) -> None:
+        """DeepSpeed's own checkpoint of this group (`directory/zero3/`: one optimizer-state file
+        per ZeRO-3 rank holding its fp32 master partition and moments, plus the module file).
+        DeepSpeed synchronises over the whole job, so every rank calls it; ranks with
+        `write=False` (the other HSDP replicas, whose state is identical) write nothing."""
+        engine = self.engine
+        flags = engine.save_non_zero_checkpoint, engine.save_zero_checkpoint
+        if not write:
+            engine.save_non_zero_checkpoint = engine.save_zero_checkpoint = False
+        try:
+            engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state={}, save_latest=False)
+        finally:
+            engine.save_non_zero_checkpoint, engine.save_zero_checkpoint = flags
+
+    def load_state(self, directory: Path, load_optimizer: bool) -> None:
+        """Restore the group's partitions (and moments and DeepSpeed's scheduler) from `save_state`,
+        then re-derive working partitions and persistent parameters."""
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=load_optimizer,
+                                              load_lr_scheduler_states=load_optimizer, load_module_strict=True)
+        if path is None:
+            raise ValueError(f"DeepSpeed found no checkpoint in {directory / CHECKPOINT_TAG}")
+        self.refresh_after_sync()

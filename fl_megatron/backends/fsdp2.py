@@ -1,15 +1,19 @@
 """PyTorch FSDP2 (`fully_shard`) inside each federation group; HSDP on a 2-D mesh."""
 
+from pathlib import Path
+
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from ..config.model import ModelConfig
-from ..config.training import TrainingConfig
+from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
-from ..models import build_model, initial_rows
+from ..models import build_model
+from .common import InitialValues, wrap_blocks_for_recompute
 from .optimizer import build_optimizer, set_learning_rate
 
 
@@ -27,26 +31,26 @@ class FSDP2Backend:
     derived low-precision copy to refresh after a sync.
     """
 
-    def __init__(self, model_cfg: ModelConfig, groups: ProcessGroups, device: torch.device,
-                 seed: int, bf16: bool = False, recompute_activations: bool = False) -> None:
-        self.model_cfg = model_cfg
+    def __init__(self, run: ResolvedRun, groups: ProcessGroups, device: torch.device,
+                 initial: InitialValues) -> None:
+        t = run.cfg.training
         self.groups = groups
         self.device = device
-        self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
-        model = build_model(model_cfg, device="meta")
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        self.compute_dtype = torch.bfloat16 if t.bf16 else torch.float32
+        model = build_model(run.cfg.model, device="meta")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.bf16 \
             else MixedPrecisionPolicy()
         mesh = groups.shard_mesh
-        if recompute_activations:
-            # the wrapper's name segment is ignored by the initialisation, so weights stay the same
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block)
+        if t.recompute_activations:
+            wrap_blocks_for_recompute(model)
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self._flat, self._shard_list = self._allocate(model, device)
-        self._materialise(model, seed)
+        self._materialise(model, initial)
         self.model = model
+        self.optimizer = build_optimizer(model.named_parameters(), t)
+        self.clip_grad = t.clip_grad
 
     @staticmethod
     def _allocate(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, list]:
@@ -99,7 +103,7 @@ class FSDP2Backend:
         return flat, shard_list
 
     @torch.no_grad()
-    def _materialise(self, model: nn.Module, seed: int) -> None:
+    def _materialise(self, model: nn.Module, initial: InitialValues) -> None:
         """Fill each local shard with its rows of the sharding-independent initial value."""
         for name, param in model.named_parameters():
             if not isinstance(param, DTensor):
@@ -117,7 +121,7 @@ class FSDP2Backend:
             if local.shape[0] != stop - start:
                 raise RuntimeError(f"FSDP2 gave {name} {local.shape[0]} local rows; expected {stop - start}")
             if stop > start:
-                local.copy_(initial_rows(self.model_cfg, name, param.shape, seed, start, stop))
+                local.copy_(initial.rows(name, tuple(param.shape), start, stop))
 
     # --- the engine's contract -------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
@@ -130,11 +134,6 @@ class FSDP2Backend:
         """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""
 
     # --- what the trainer needs ------------------------------------------------------------
-    def attach_optimizer(self, training: TrainingConfig) -> None:
-        """Create the group's inner optimizer over the sharded parameters."""
-        self.optimizer = build_optimizer(self.model.named_parameters(), training)
-        self.clip_grad = training.clip_grad
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
@@ -173,3 +172,35 @@ class FSDP2Backend:
         """Unsharded parameters gathered on every rank (small models and tests only)."""
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
                 for name, p in self.model.named_parameters()}
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save_state(self, directory: Path, write: bool) -> None:
+        """torch.distributed.checkpoint over the federation group: every rank writes its own
+        shards in parallel (HSDP replicas are written once); DCP reshards them on load."""
+        if not write:
+            return
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory),
+                 process_group=self.groups.federation)
+
+    def load_state(self, directory: Path, load_optimizer: bool) -> None:
+        """Read this group's shards (any number of ranks per group) from a `save_state` directory,
+        in place (the flat buffer the engine averages stays the parameters' storage)."""
+        storage = self._storage()
+        if load_optimizer:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optim": optim_state}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=str(directory), process_group=self.groups.federation)
+        if load_optimizer:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        else:
+            set_model_state_dict(self.model, state["model"])
+        if self._storage() != storage:
+            raise RuntimeError("loading the checkpoint replaced FSDP2's shard storage; this torch version "
+                               "is not supported")
+
+    def _storage(self) -> list[int]:
+        return [p.to_local().data_ptr() for p in self.model.parameters()]

@@ -1,10 +1,12 @@
 """Configuration: dataclasses per section, validation, JSON files and Megatron-style flags."""
 
+from .checkpoint import CheckpointConfig
 from .data import DataConfig
 from .model import ARCHITECTURES, ModelConfig
 from .parallel import BACKENDS, FederationConfig, ParallelConfig
+from .resolved import ResolvedRun, resolve
 from .run import SECTIONS, RunConfig
 from .training import TrainingConfig
 
-__all__ = ["ARCHITECTURES", "BACKENDS", "DataConfig", "FederationConfig", "ModelConfig",
+__all__ = ["ARCHITECTURES", "BACKENDS", "CheckpointConfig", "ResolvedRun", "resolve", "DataConfig", "FederationConfig", "ModelConfig",
            "ParallelConfig", "RunConfig", "SECTIONS", "TrainingConfig"]

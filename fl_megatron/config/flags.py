@@ -35,9 +35,17 @@ def _field_type(cls, f: dataclasses.Field):
     return args[0] if args else hint
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises ValueError instead of printing and exiting, so that the entry point reports the
+    error once per node like every other configuration error."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """All flags; every default is SUPPRESS so that only what the user typed reaches the config."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fl_megatron.pretrain", argument_default=argparse.SUPPRESS,
         description="Pre-train a Llama/GPT model with federated sharded data parallelism "
                     "(FL+FSDP, FL+HSDP). Launch with torchrun; --dry-run plans without processes.",
@@ -161,17 +169,15 @@ def _apply_deepspeed(cfg: RunConfig, json_data: dict, flags: dict, where: str) -
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse the command line into a RunConfig (not yet validated against a world size)."""
+    """Parse the command line into a RunConfig (not yet validated against a world size).
+
+    Raises ValueError naming the problem (unknown flag, bad value, bad config file)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     given = vars(ns)
     flags = {k: v for k, v in given.items() if "." in k}
-    try:
-        json_data = load_json(given["config"]) if "config" in given else None
-        cfg = config_from_sources(json_data, flags, preset=given.get("model"),
-                                  where=given.get("config", "config"))
-    except ValueError as e:
-        parser.error(str(e))
+    json_data = load_json(given["config"]) if "config" in given else None
+    cfg = config_from_sources(json_data, flags, preset=given.get("model"), where=given.get("config", "config"))
     return cfg, ns
 
 

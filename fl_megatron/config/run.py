@@ -5,13 +5,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..topology import Layout, make_layout
+from .checkpoint import CheckpointConfig
 from .data import DataConfig
 from .deepspeed_json import train_batch_problem
 from .model import ModelConfig
 from .parallel import FederationConfig, ParallelConfig
 from .training import TrainingConfig
 
-SECTIONS = ("model", "parallel", "federation", "training", "data")
+SECTIONS = ("model", "parallel", "federation", "training", "data", "checkpoint")
 
 
 @dataclass
@@ -23,6 +24,7 @@ class RunConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preset: Optional[str] = None
     # The DeepSpeed config minus what became settings above (its 'federation' block); the
     # DeepSpeed backend passes it to the engine. None when no DeepSpeed config was given.

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..topology import MESH_DIM_NAMES, Layout, coords, mesh_shape, peer_groups, replica_groups, shard_groups, spans_nodes
+from ..topology import (MESH_DIM_NAMES, Layout, coords, federation_groups, mesh_shape, peer_groups, replica_groups,
+                        shard_groups, spans_nodes)
 
 
 @dataclass
@@ -16,6 +17,8 @@ class ProcessGroups:
     rank: int
     mesh: DeviceMesh
     shard_mesh: DeviceMesh
+    # every rank of this rank's federation group (the shard group itself unless HSDP)
+    federation: dist.ProcessGroup
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -51,4 +54,9 @@ def build_process_groups(layout: Layout, device_type: str) -> ProcessGroups:
                          f"{dist.get_world_size()}")
     mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIM_NAMES)
     shard_mesh = mesh[MESH_DIM_NAMES[1:]] if layout.is_hsdp else mesh[MESH_DIM_NAMES[2]]
-    return ProcessGroups(layout=layout, rank=dist.get_rank(), mesh=mesh, shard_mesh=shard_mesh)
+    if layout.is_hsdp:
+        federation, _ = dist.new_subgroups_by_enumeration(federation_groups(layout))
+    else:
+        federation = mesh.get_group(MESH_DIM_NAMES[2])
+    return ProcessGroups(layout=layout, rank=dist.get_rank(), mesh=mesh, shard_mesh=shard_mesh,
+                         federation=federation)

@@ -5,8 +5,9 @@ per-rank memory estimate and communication per step and per sync from the formul
 `fl_megatron.costs`.
 """
 
-from ..config import RunConfig
-from ..costs import average_per_step, estimate_memory_per_rank, format_bytes, step_comm, sync_comm
+from ..config import ResolvedRun, RunConfig
+from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes, step_comm,
+                     sync_comm)
 from ..models import build_model
 from ..topology import Layout
 from .console import batch_line, federation_line
@@ -40,8 +41,19 @@ def _backend_line(cfg: RunConfig, layout: Layout) -> str:
     return f"  backend: PyTorch FSDP2 over {mesh} ranks"
 
 
-def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
+def _checkpoint_line(cfg: RunConfig, layout: Layout, num_params: int) -> str:
+    """Checkpoint size in both modes (the chosen one marked)."""
+    sizes = checkpoint_bytes(num_params, layout.num_groups, cfg.training.optimizer, cfg.training.sgd_momentum)
+    chosen = cfg.checkpoint.ckpt_mode
+    parts = [f"{mode} {format_bytes(n)}{' (chosen)' if mode == chosen else ''}" for mode, n in sizes.items()]
+    where = f" in {cfg.checkpoint.save}" if cfg.checkpoint.save else " (not saving: no --save)"
+    return (f"  checkpoint size{where}: {', '.join(parts)} "
+            f"(exact: {layout.num_groups} groups' parameters and optimizer states; compact: one)")
+
+
+def dry_run_report(run: ResolvedRun) -> str:
     """The text --dry-run prints."""
+    cfg, layout, accum = run.cfg, run.layout, run.accumulation
     m, t, fed = cfg.model, cfg.training, cfg.federation
     model = build_model(m, "meta")
     num_params = sum(p.numel() for p in model.parameters())
@@ -76,5 +88,7 @@ def dry_run_report(cfg: RunConfig, layout: Layout, accum: int) -> str:
         *_breakdown_lines("per federation sync", sync if h else type(sync)()),
         f"  per optimizer step, sync amortised over H={h}: intra-node {format_bytes(amortised['intra-node'])}, "
         f"inter-node {format_bytes(amortised['inter-node'])}",
+        "",
+        _checkpoint_line(cfg, layout, num_params),
     ]
     return "\n".join(lines)

@@ -13,6 +13,14 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _step_of(line: str) -> float:
+    """The step of one metrics line; a torn last line (the run was killed) counts as past any step."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return float("inf")
+
+
 class RunFiles:
     """Writes one run's outputs. Only the writer rank touches the files."""
 
@@ -22,11 +30,19 @@ class RunFiles:
         self._metrics = None
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-            # A new run starts a new metrics file; the previous one is kept aside, not lost.
-            metrics = self.dir / "metrics.jsonl"
-            if metrics.exists():
-                os.replace(metrics, self.dir / "metrics.previous.jsonl")
-            self._metrics = open(metrics, "a", buffering=1)
+
+    def open_metrics(self, resumed_at: int = 0) -> None:
+        """Start metrics.jsonl. A new run keeps the previous file aside as metrics.previous.jsonl;
+        a run resumed at step N keeps the records up to step N and continues after them."""
+        if not self.enabled:
+            return
+        metrics = self.dir / "metrics.jsonl"
+        if metrics.exists() and resumed_at:
+            kept = [line for line in metrics.read_text().splitlines() if _step_of(line) <= resumed_at]
+            atomic_write_text(metrics, "".join(line + "\n" for line in kept))
+        elif metrics.exists():
+            os.replace(metrics, self.dir / "metrics.previous.jsonl")
+        self._metrics = open(metrics, "a", buffering=1)
 
     def write_config(self, config_json: str) -> None:
         if self.enabled:

@@ -10,17 +10,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..backends import make_backend
-from ..config import RunConfig
+from ..checkpoint import Checkpointer, initial_values_for
+from ..config import ResolvedRun
 from ..config.flags import config_to_json
 from ..data import BatchSource, eval_batches
 from ..data.sources import run_samples
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
-from ..topology import Layout
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
 from .run_files import RunFiles
+from .stopping import StopPolicy
 
 
 @dataclass
@@ -33,12 +34,13 @@ class _Calibrated:
 class Trainer:
     """One rank's training run. Construct after the config was validated for this world."""
 
-    def __init__(self, cfg: RunConfig, env: LaunchEnv, layout: Layout, samples=None) -> None:
+    def __init__(self, run: ResolvedRun, env: LaunchEnv, samples=None) -> None:
         """`samples`: (train, valid) samples already opened by the caller, or None to open them."""
-        self.cfg, self.env, self.layout = cfg, env, layout
+        cfg = run.cfg
+        self.run, self.cfg, self.env, self.layout = run, cfg, env, run.layout
         self.is_writer = env.rank == 0
         t = cfg.training
-        self.accum = cfg.accumulation_steps(env.world_size)
+        self.accum = run.accumulation
         init_distributed(env, cfg.parallel.distributed_timeout_minutes)
         self.device = env.device
         self.files = RunFiles(t.run_dir, self.is_writer)
@@ -46,10 +48,13 @@ class Trainer:
         self._banner()
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data(samples)
-        self.groups = build_process_groups(layout, self.device.type)
-        self.backend = make_backend(cfg, self.groups, self.device)
+        self.groups = build_process_groups(self.layout, self.device.type)
+        self.backend = make_backend(run, self.groups, self.device, initial_values_for(run, say if self.is_writer else None))
         self.ledger = CommLedger()
         self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
+        self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
+        self.start_step = self.checkpointer.resume(lambda text: say(text, self.is_writer))
+        self.files.open_metrics(self.start_step)
         self._step_traffic = _Calibrated()
         self._eval_traffic = _Calibrated()
 
@@ -165,41 +170,60 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------
     def train(self) -> dict:
-        t = self.cfg.training
-        tokens_per_step = t.micro_batch_size * self.accum * t.seq_length * self.env.world_size
+        """Train from `start_step` (0, or the resumed checkpoint's step) to --train-iters, or until
+        a stop condition; save on --save-interval, at the end and before stopping early."""
+        t, saving = self.cfg.training, self.cfg.checkpoint.saving
+        tokens_per_step = self.run.tokens_per_step
+        stop = StopPolicy(self.cfg.checkpoint, self.device)
         start = time.perf_counter()
         interval_start, interval_steps = start, 0
-        last_loss = math.nan
+        last_loss, stopped, done = math.nan, None, self.start_step
         evals: list[dict] = []
-        for step in range(t.train_iters):
-            done = step + 1
-            loss, norm, lr, sync = self.step(step)
-            interval_steps += 1
-            if done % t.log_interval == 0 or done == t.train_iters or sync is not None:
-                now = time.perf_counter()
-                stats = torch.stack([loss.float(), norm.float()]).detach()
-                dist.all_reduce(stats)
-                stats = (stats / self.env.world_size).tolist()
-                last_loss = stats[0]
-                record = {
-                    "step": done, "tokens": done * tokens_per_step, "loss": stats[0], "lr": lr,
-                    "grad_norm": stats[1],
-                    "tokens_per_s": interval_steps * tokens_per_step / max(now - interval_start, 1e-9),
-                    "synced": sync is not None,
-                    "sync_seconds": sync.seconds if sync else 0.0,
-                    **self.ledger.snapshot(),
-                }
-                if sync is not None:
-                    record.update(param_variance=sync.variance, param_rms=sync.param_rms)
-                self.files.log(record)
-                eta = (now - start) / done * (t.train_iters - done)
-                say(progress_line(record, t.train_iters, eta), self.is_writer)
-                interval_start, interval_steps = now, 0
-            if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
-                evals.append(self._eval_record(done))
+        try:
+            for step in range(self.start_step, t.train_iters):
+                done = step + 1
+                loss, norm, lr, sync = self.step(step)
+                interval_steps += 1
+                stopped = stop.reason(done) if done < t.train_iters else None
+                if done % t.log_interval == 0 or done == t.train_iters or sync is not None or stopped:
+                    now = time.perf_counter()
+                    last_loss = self._log_step(done, loss, norm, lr, sync, tokens_per_step, now - interval_start,
+                                               interval_steps, (now - start) / (done - self.start_step) * (t.train_iters - done))
+                    interval_start, interval_steps = now, 0
+                if saving and (done == t.train_iters or stopped or
+                               (self.cfg.checkpoint.save_interval and done % self.cfg.checkpoint.save_interval == 0)):
+                    path = self.checkpointer.save(done)
+                    say(f"  saved checkpoint {path}", self.is_writer)
+                if stopped:
+                    say(f"  stopping after step {done} ({stopped})", self.is_writer)
+                    break
+                if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
+                    evals.append(self._eval_record(done))
+        finally:
+            stop.close()
         wall = time.perf_counter() - start
-        final_eval = self._eval_record(t.train_iters) if t.eval_iters else None
-        return self._summary(last_loss, final_eval, evals, wall, tokens_per_step)
+        final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
+        return self._summary(last_loss, final_eval, evals, wall, done, stopped)
+
+    def _log_step(self, done: int, loss, norm, lr: float, sync: Optional[SyncResult], tokens_per_step: int,
+                  seconds: float, steps: int, eta: float) -> float:
+        """Record and print one step (averaged over ranks); returns the mean loss."""
+        stats = torch.stack([loss.float(), norm.float()]).detach()
+        dist.all_reduce(stats)
+        stats = (stats / self.env.world_size).tolist()
+        record = {
+            "step": done, "tokens": done * tokens_per_step, "loss": stats[0], "lr": lr,
+            "grad_norm": stats[1],
+            "tokens_per_s": steps * tokens_per_step / max(seconds, 1e-9),
+            "synced": sync is not None,
+            "sync_seconds": sync.seconds if sync else 0.0,
+            **self.ledger.snapshot(),
+        }
+        if sync is not None:
+            record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+        self.files.log(record)
+        say(progress_line(record, self.cfg.training.train_iters, eta), self.is_writer)
+        return stats[0]
 
     def _eval_record(self, step: int) -> dict:
         loss = self.evaluate()
@@ -209,7 +233,7 @@ class Trainer:
         return record
 
     def _summary(self, last_loss: float, final_eval: Optional[dict], evals: list, wall: float,
-                 tokens_per_step: int) -> dict:
+                 done: int, stopped: Optional[str]) -> dict:
         t = self.cfg.training
         snapshot = self.ledger.snapshot()
         keys = sorted(snapshot)
@@ -218,8 +242,9 @@ class Trainer:
         peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
         peaks = [torch.zeros_like(peak) for _ in range(self.env.world_size)]
         dist.all_gather(peaks, peak)
-        tokens = t.train_iters * tokens_per_step
+        tokens = (done - self.start_step) * self.run.tokens_per_step
         summary = {
+            "first_step": self.start_step + 1, "last_step": done, "stopped_early": stopped,
             "final_train_loss": last_loss,
             "eval_loss": final_eval["eval_loss"] if final_eval else None,
             "eval_perplexity": final_eval["eval_perplexity"] if final_eval else None,
@@ -238,7 +263,7 @@ class Trainer:
                        "sync_interval": self.cfg.federation.sync_interval if self.engine.active else 0},
         }
         self.files.write_summary(summary)
-        say(f"done: {t.train_iters} steps in {format_duration(wall)}, {summary['tokens_per_s']:,.0f} tok/s, "
+        say(f"done: {done - self.start_step} steps in {format_duration(wall)}, {summary['tokens_per_s']:,.0f} tok/s, "
             f"final train loss {last_loss:.4f}"
             + (f", eval loss {summary['eval_loss']:.4f} (perplexity {summary['eval_perplexity']:.2f})"
                if final_eval else "")

@@ -1,0 +1,103 @@
+"""Saving and resuming a whole run (collective: every rank calls the same methods in order)."""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from ..config.flags import config_to_json
+from ..config.resolved import ResolvedRun
+from ..faults import fault_point
+from ..federation.contract import TrainingBackend
+from ..federation.engine import FederationEngine
+from .metadata import build_metadata, find_checkpoint, manifest, source_groups
+from .paths import (METADATA, clear_staging, group_dir, prune, publish, read_tracker, rng_file, staging_dir,
+                    write_text_durably)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """Writes checkpoints of one run under `--save` and restores one from `--load`."""
+
+    def __init__(self, run: ResolvedRun, rank: int, backend: TrainingBackend, engine: FederationEngine) -> None:
+        self.run, self.rank, self.backend, self.engine = run, rank, backend, engine
+        self.options = run.cfg.checkpoint
+        self.is_writer = rank == 0
+        self.group = engine.groups.coords[0]
+        self.replica = engine.groups.coords[1]
+
+    # --- saving ---------------------------------------------------------------------------
+    def save(self, iteration: int) -> Path:
+        """Save the state after optimizer step `iteration`. Compact mode syncs first (unless the
+        step just did): the groups are then identical and one copy is stored."""
+        root = Path(self.options.save)
+        compact = self.options.ckpt_mode == "compact"
+        if compact and self.engine.active and self.engine.last_synced_step != iteration:
+            self.engine.sync(iteration)
+        synced_now = self.engine.active and self.engine.last_synced_step == iteration
+        staging = staging_dir(root, iteration)
+        if self.is_writer:
+            root.mkdir(parents=True, exist_ok=True)
+            clear_staging(root)
+            staging.mkdir()
+        dist.barrier()
+        saved_groups = [0] if compact else list(range(self.run.layout.num_groups))
+        source = 0 if compact else self.group
+        self.backend.save_state(group_dir(staging, source), write=self.group in saved_groups and self._writes_group())
+        rng = rng_file(staging, self.rank)
+        rng.parent.mkdir(parents=True, exist_ok=True)
+        save_file(_rng_state(), str(rng))
+        fault_point("checkpoint-write", iteration)
+        dist.barrier()
+        if self.is_writer:
+            meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
+                                  self.options.ckpt_mode, saved_groups, json.loads(config_to_json(self.run.cfg)))
+            meta["manifest"] = manifest(staging)
+            write_text_durably(staging / METADATA, json.dumps(meta, indent=1) + "\n")
+            publish(root, iteration)
+            if self.options.keep_last:
+                prune(root, self.options.keep_last)
+        dist.barrier()
+        return root / f"iter_{iteration:07d}"
+
+    def _writes_group(self) -> bool:
+        """DeepSpeed: one replica per HSDP group writes (the others hold the same state);
+        FSDP2's checkpointing removes the duplicates itself."""
+        return self.run.cfg.parallel.backend != "deepspeed" or self.replica == 0
+
+    # --- resuming -------------------------------------------------------------------------
+    def resume(self, say) -> int:
+        """Load the newest checkpoint under `--load` and return its iteration (0: none there)."""
+        root = self.options.load
+        if root is None or read_tracker(Path(root)) is None:
+            if root is not None:
+                say(f"  no checkpoint in {root} yet: starting from step 0")
+            return 0
+        path, meta = find_checkpoint(Path(root))
+        sources, notes = source_groups(meta, self.run)
+        self.backend.load_state(group_dir(path, sources[self.group]), self.options.load_optim)
+        rng = rng_file(path, self.rank)
+        if meta["layout"]["world_size"] == self.run.layout.world_size and rng.is_file():
+            _set_rng_state(load_file(str(rng)))
+        else:
+            notes.append("random states re-seeded (another world size)")
+        self.engine.last_synced_step = meta["federation"]["last_synced_step"]
+        iteration = meta["iteration"]
+        say(f"  resumed from {path} (step {iteration}"
+            + ("" if self.options.load_optim else ", optimizer state not loaded") + ")"
+            + "".join(f"\n  note: {n}" for n in notes))
+        return iteration

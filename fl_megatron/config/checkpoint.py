@@ -1,0 +1,63 @@
+"""Saving, resuming, exiting early and starting from Hugging Face weights (Megatron-LM's flag names)."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+CHECKPOINT_MODES = ("exact", "compact")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and come from, how many are kept, and when a run stops early."""
+
+    save: Optional[str] = field(default=None, metadata={"help": "directory to save checkpoints in (iter_NNNNNNN/ "
+                                                               "subdirectories and latest_checkpointed_iteration.txt)"})
+    save_interval: Optional[int] = field(
+        default=None, metadata={"help": "save every this many steps (and at the end); default: only at the end "
+                                        "and when exiting early"})
+    load: Optional[str] = field(
+        default=None, metadata={"help": "resume from the latest checkpoint in this directory (a run with no "
+                                        "checkpoint there yet starts from scratch, so --save and --load may be the same)"})
+    load_optim: bool = field(default=True, metadata={"help": "restore optimizer states when loading "
+                                                             "(--no-load-optim: weights, schedule position and data position only)"})
+    keep_last: Optional[int] = field(
+        default=None, metadata={"help": "keep only the newest N checkpoints (older ones are deleted after the new "
+                                        "one is published); default: keep all"})
+    ckpt_mode: str = field(
+        default="exact", metadata={"help": "exact: every federation group's model and optimizer state (resumes bit "
+                                           "for bit, F times one group's optimizer state); compact: sync first, then "
+                                           "one model and group 0's optimizer state (resume is not exact)"})
+    exit_interval: Optional[int] = field(
+        default=None, metadata={"help": "save and exit after a step that is a multiple of this"})
+    exit_duration_in_mins: Optional[float] = field(
+        default=None, metadata={"help": "save and exit once the run has trained this many minutes"})
+    exit_signal_handler: bool = field(
+        default=False, metadata={"help": "on SIGTERM (what SLURM sends before it kills a job), every rank finishes "
+                                         "its step, saves and exits 0"})
+    init_from_hf: Optional[str] = field(
+        default=None, metadata={"help": "start from a Hugging Face Llama or GPT-2 directory (continued pre-training); "
+                                        "each rank reads only the rows it holds; ignored when --load finds a checkpoint"})
+
+    @property
+    def saving(self) -> bool:
+        return self.save is not None
+
+    def validate(self) -> None:
+        errors = []
+        for name in ("save_interval", "keep_last", "exit_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                errors.append(f"{name}={value} must be at least 1")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            errors.append(f"exit_duration_in_mins={self.exit_duration_in_mins} must be positive")
+        if self.ckpt_mode not in CHECKPOINT_MODES:
+            errors.append(f"ckpt_mode={self.ckpt_mode!r} is not one of {', '.join(CHECKPOINT_MODES)}")
+        if self.save is None:
+            needs_save = [f"{n}={getattr(self, n)}" for n in ("save_interval", "keep_last") if getattr(self, n) is not None]
+            if needs_save:
+                errors.append(f"{' and '.join(needs_save)} need --save DIR")
+            if self.exit_signal_handler or self.exit_interval or self.exit_duration_in_mins:
+                errors.append("exiting early (--exit-signal-handler, --exit-interval, --exit-duration-in-mins) "
+                              "saves a checkpoint first: give --save DIR")
+        if errors:
+            raise ValueError("invalid checkpoint settings: " + "; ".join(errors))

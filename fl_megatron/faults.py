@@ -1,0 +1,16 @@
+"""Fault-injection points for tests: a process dies at a named point when the environment asks.
+
+`FL_MEGATRON_FAULT=NAME:VALUE` (e.g. `checkpoint-write:5`) makes `fault_point(NAME, VALUE)` end
+the process at once, as a kill would. Unset, a point costs one environment lookup.
+"""
+
+import os
+import sys
+
+FAULT_EXIT_CODE = 86
+
+
+def fault_point(name: str, value: int) -> None:
+    if os.environ.get("FL_MEGATRON_FAULT") == f"{name}:{value}":
+        print(f"fl-megatron: injected fault {name}:{value}", file=sys.stderr, flush=True)
+        os._exit(FAULT_EXIT_CODE)
