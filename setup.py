@@ -18,6 +18,8 @@ setup(
         "torch>=2.6",
         "numpy>=1.24",
         "sentencepiece>=0.2",
+        # checkpoints (random states) and Hugging Face export/import
+        "safetensors>=0.4",
     ],
     extras_require={
         # the DeepSpeed backend reads ZeRO-3's partitions: 0.19.8 is the version it is tested with

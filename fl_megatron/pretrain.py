@@ -104,20 +104,11 @@ def _local_rank() -> int:
 
 def _fail(message: str) -> int:
     """Report a configuration error and exit 2. Every rank finds the same error; local rank 0
-    of each node prints it (once per node). Under torchrun every rank also records it in
-    torchrun's error file, which torchrun prints as the failure's root cause; the other ranks
-    give the reporter a head start before exiting, since a launcher kills the rest of the job
-    as soon as one process fails."""
-    text = f"fl_megatron.pretrain: error: {message}"
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        try:
-            raise SystemExit(text)
-        except SystemExit as e:
-            ErrorHandler().record_exception(e)
+    of each node prints it (once per node) and exits at once. The other ranks give it a head
+    start before exiting, since a launcher (torchrun, the deepspeed launcher) kills the rest
+    of the job as soon as one process fails: the reporter must not be the one killed."""
     if _local_rank() == 0:
-        print(text, file=sys.stderr, flush=True)
+        print(f"fl_megatron.pretrain: error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(REPORTER_HEAD_START_S)
     return 2

@@ -81,3 +81,9 @@ def prepare_demo_data(cache_dir: str | Path, vocab_size: int = 4096, corpus_path
         folder.mkdir(parents=True, exist_ok=True)
         _build(folder, corpus_path, vocab_size, key)
     return DemoData(tokenizer_path=folder / _TOKENIZER, prefix=folder / f"{_OUTPUT}_text_document")
+
+
+def cached_tokenizer_path(cache_dir: str | Path, vocab_size: int) -> Path:
+    """Where `prepare_demo_data` keeps the tokenizer for `vocab_size` (it may not be built yet)."""
+    key = cache_key(demo_corpus_path().read_bytes(), vocab_size)
+    return Path(cache_dir) / f"demo-{key}" / _TOKENIZER

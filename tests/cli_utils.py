@@ -1,0 +1,55 @@
+"""Running fl_megatron.pretrain under a launcher from tests, and reading what the run wrote."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = ["--model", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "512",
+        "--tokenizer-vocab-size", "512", "--seq-length", "32", "--micro-batch-size", "2",
+        "--log-interval", "1", "--eval-iters", "1", "--lr-decay-style", "constant"]
+SGD = ["--optimizer", "sgd", "--lr", "0.5", "--weight-decay", "0", "--clip-grad", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pretrain_command(nproc: int, run_dir: Path, cache: Path, *flags: str,
+                     launcher: str = "torchrun") -> tuple[list[str], dict]:
+    """(argv, environment) of one job under torchrun or the deepspeed launcher."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", FL_MEGATRON_CACHE=str(cache))
+    if launcher == "torchrun":
+        start = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m"]
+    else:  # on CPU: --num_gpus sets the process count, --no_local_rank keeps argv clean
+        start = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--no_local_rank",
+                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--module"]
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return [*start, "fl_megatron.pretrain", *TINY, "--run-dir", str(run_dir), *flags], env
+
+
+def launch(nproc: int, run_dir: Path, cache: Path, *flags: str, launcher: str = "torchrun",
+           env_extra: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run one job to its end; the caller judges the exit code."""
+    cmd, env = pretrain_command(nproc, run_dir, cache, *flags, launcher=launcher)
+    return subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """The training-step records of metrics.jsonl."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r]
+
+
+def run_pretrain(nproc: int, run_dir: Path, cache: Path, *flags: str, launcher: str = "torchrun") -> list[dict]:
+    """Run one job that must succeed; return its training-step records."""
+    proc = launch(nproc, run_dir, cache, *flags, launcher=launcher)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert (run_dir / "summary.json").exists() and (run_dir / "config.json").exists()
+    return step_records(run_dir)
