@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-deepspeed test bench bench-data dry-run clean
+.PHONY: demo demo-deepspeed test bench bench-data bench-checkpoint dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -46,6 +46,9 @@ test: $(VENV)/.test-extras
 
 bench: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_sync.py $(ARGS)
+
+bench-checkpoint: $(VENV)/.package
+	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_checkpoint.py $(ARGS)
 
 bench-data: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_data.py $(ARGS)
