@@ -48,7 +48,8 @@ def _exact_resume(tmp: Path, backend: str) -> None:
     # resumed, killed while writing the step-5 checkpoint: the step-3 one stays the latest
     killed = launch(4, tmp / "run", cache, *flags, "--save", ckpt, "--load", ckpt, "--save-interval", "5",
                     env_extra={"FL_MEGATRON_FAULT": "checkpoint-write:5"})
-    assert killed.returncode != 0 and f"injected fault checkpoint-write:5" in killed.stderr
+    assert killed.returncode != 0 and "injected fault checkpoint-write:5" in killed.stderr
+    assert f"exitcode  : {FAULT_EXIT_CODE}" in killed.stderr  # the ranks died at the injection point
     assert (Path(ckpt) / TRACKER).read_text().strip() == "3" and published_iterations(Path(ckpt)) == [3]
     assert (Path(ckpt) / ".iter_0000005.staging").is_dir()  # the half-written one, never published
     # resumed again from step 3, to the end, keeping only the newest checkpoint

@@ -4,7 +4,7 @@ converter's peak memory against the model's fp32 size.
 
     python tools/bench_checkpoint.py [--ranks 4] [--group-size 2] [--backend fsdp2] [--dir DIR]
 
-Default model: a Llama of about 134M parameters (12 layers, hidden 768, vocab 32000), AdamW, one
+Default model: a Llama of about 125M parameters (12 layers, hidden 768, vocab 32000), AdamW, one
 training step before saving (so the moments exist). Peak memory is the process's maximum
 resident set size (ru_maxrss), which includes the interpreter and torch (reported separately).
 """

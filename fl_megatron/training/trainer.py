@@ -234,7 +234,6 @@ class Trainer:
 
     def _summary(self, last_loss: float, final_eval: Optional[dict], evals: list, wall: float,
                  done: int, stopped: Optional[str]) -> dict:
-        t = self.cfg.training
         snapshot = self.ledger.snapshot()
         keys = sorted(snapshot)
         totals = torch.tensor([float(snapshot[k]) for k in keys], dtype=torch.float64, device=self.device)
