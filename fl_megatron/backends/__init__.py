@@ -16,24 +16,20 @@ from .common import InitialValues, SeededValues
 from .fsdp2 import FSDP2Backend
 
 
-def backend_class(name: str) -> type:
-    """The class of backend `name` (imports DeepSpeed only when it is asked for)."""
-    if name == "fsdp2":
-        return FSDP2Backend
-    if name == "deepspeed":
-        from .deepspeed_zero3 import DeepSpeedBackend
-
-        return DeepSpeedBackend
-    raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
-
-
 def make_backend(run: ResolvedRun, groups: ProcessGroups, device: torch.device,
                  initial: InitialValues | None = None) -> TrainingBackend:
     """The backend `run.cfg.parallel.backend`, with its optimizer, its shards starting from
     `initial` (default: the seeded initialisation)."""
+    name = run.cfg.parallel.backend
+    if name == "fsdp2":
+        cls = FSDP2Backend
+    elif name == "deepspeed":
+        from .deepspeed_zero3 import DeepSpeedBackend as cls
+    else:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     if initial is None:
         initial = SeededValues(run.cfg.model, run.cfg.training.seed)
-    return backend_class(run.cfg.parallel.backend)(run, groups, device, initial)
+    return cls(run, groups, device, initial)
 
 
-__all__ = ["BACKENDS", "FSDP2Backend", "InitialValues", "SeededValues", "backend_class", "make_backend"]
+__all__ = ["BACKENDS", "FSDP2Backend", "InitialValues", "SeededValues", "make_backend"]

@@ -7,14 +7,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from ..config.flags import config_to_json
 from ..config.resolved import ResolvedRun
 from ..faults import fault_point
 from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
 from .metadata import build_metadata, find_checkpoint, manifest, source_groups
-from .paths import (METADATA, clear_staging, group_dir, prune, publish, read_tracker, rng_file, staging_dir,
-                    write_text_durably)
+from .paths import (METADATA, clear_staging, group_dir, iteration_dir, prune, publish, read_tracker, rng_file,
+                    staging_dir, write_text_durably)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -65,14 +64,14 @@ class Checkpointer:
         dist.barrier()
         if self.is_writer:
             meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
-                                  self.options.ckpt_mode, saved_groups, json.loads(config_to_json(self.run.cfg)))
+                                  self.options.ckpt_mode, saved_groups, self.run.cfg.to_dict())
             meta["manifest"] = manifest(staging)
             write_text_durably(staging / METADATA, json.dumps(meta, indent=1) + "\n")
             publish(root, iteration)
             if self.options.keep_last:
                 prune(root, self.options.keep_last)
         dist.barrier()
-        return root / f"iter_{iteration:07d}"
+        return iteration_dir(root, iteration)
 
     def _writes_group(self) -> bool:
         """DeepSpeed: one replica per HSDP group writes (the others hold the same state);

@@ -5,7 +5,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..config.model import ModelConfig
 from ..config.resolved import ResolvedRun
 from .paths import METADATA, TRACKER, iteration_dir, published_iterations, read_tracker
 
@@ -82,19 +81,11 @@ def find_checkpoint(root: Path, iteration: int | None = None) -> tuple[Path, dic
     return path, meta
 
 
-def model_differences(saved: dict, model: ModelConfig) -> list[str]:
-    """Each model field whose value differs: 'hidden_size 64 (checkpoint) vs 128 (run)'."""
-    ours = dataclasses.asdict(model)
-    ignore = {"init_std"}  # only shapes the start, which a checkpoint replaces
-    return [f"{k} {saved.get(k)!r} (checkpoint) vs {v!r} (run)" for k, v in ours.items()
-            if k not in ignore and saved.get(k) != v]
-
-
 def source_groups(meta: dict, run: ResolvedRun) -> tuple[list[int], list[str]]:
     """Which saved group each of the run's groups loads, and notes on what that means.
 
     Raises ValueError naming every difference that makes the checkpoint unusable for this run."""
-    problems = [f"model {d}" for d in model_differences(meta["model"], run.cfg.model)]
+    problems = [f"model {d}" for d in run.cfg.model.differences(meta["model"], "checkpoint")]
     backend = run.cfg.parallel.backend
     if meta["backend"] != backend:
         problems.append(f"backend {meta['backend']} (checkpoint) vs {backend} (run): a checkpoint loads "
@@ -125,4 +116,3 @@ def source_groups(meta: dict, run: ResolvedRun) -> tuple[list[int], list[str]]:
     if (saved["group_size"], saved["world_size"]) != (lay.group_size, lay.world_size) and backend == "fsdp2":
         notes.append(f"groups of {saved['group_size']} ranks saved, {lay.group_size} here: shards are resharded")
     return sources, notes
-

@@ -23,8 +23,8 @@ class CheckpointReader:
         self.iteration = self.meta["iteration"]
         self.model_cfg = ModelConfig(**self.meta["model"])
         self.groups: list[int] = self.meta["groups_saved"]
-        self.names = [name for name, _ in build_model(self.model_cfg, "meta").named_parameters()]
         self._shapes = {name: tuple(p.shape) for name, p in build_model(self.model_cfg, "meta").named_parameters()}
+        self.names = list(self._shapes)
         self._deepspeed: dict[int, dict] = {}
 
     def tensor(self, name: str, group: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ class CheckpointReader:
         """The mean of parameter `name` over the saved groups (fp32 sum, then divide, as a sync does)."""
         total = self.tensor(name, self.groups[0]).clone()
         for group in self.groups[1:]:
-            total += self.tensor(group=group, name=name)
+            total += self.tensor(name, group)
         return total.div_(len(self.groups)) if len(self.groups) > 1 else total
 
     def _dcp_tensor(self, directory: Path, name: str) -> torch.Tensor:

@@ -8,5 +8,5 @@ from .resolved import ResolvedRun, resolve
 from .run import SECTIONS, RunConfig
 from .training import TrainingConfig
 
-__all__ = ["ARCHITECTURES", "BACKENDS", "CheckpointConfig", "ResolvedRun", "resolve", "DataConfig", "FederationConfig", "ModelConfig",
-           "ParallelConfig", "RunConfig", "SECTIONS", "TrainingConfig"]
+__all__ = ["ARCHITECTURES", "BACKENDS", "CheckpointConfig", "DataConfig", "FederationConfig", "ModelConfig",
+           "ParallelConfig", "ResolvedRun", "RunConfig", "SECTIONS", "TrainingConfig", "resolve"]

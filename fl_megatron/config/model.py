@@ -1,6 +1,6 @@
 """Model architecture settings: one dataclass shared by the Llama and GPT families."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 ARCHITECTURES = ("llama", "gpt")
@@ -40,6 +40,25 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def differences(self, other: dict, label: str) -> list[str]:
+        """Each field where the model described by `other` (a dict of these fields, from a
+        checkpoint or a Hugging Face config) differs from this one: 'hidden_size 64 (LABEL) vs
+        128 (run)'. Fields that do not shape the weights or the computation are skipped:
+        init_std, RoPE fields of GPT, the Llama 3.1 scaling details when there is no scaling;
+        num_query_groups unset equals one group per head."""
+        scaling_details = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+        ignored = {"init_std"}
+        if self.arch == "gpt":
+            ignored |= {name for name in _FIELD_NAMES if name.startswith("rope_")}
+        elif self.rope_scaling_factor is None:
+            ignored |= set(scaling_details)
+        theirs = dict(other)
+        if theirs.get("num_query_groups") in (None, theirs.get("num_attention_heads")) and \
+                self.num_query_groups in (None, self.num_attention_heads):
+            theirs["num_query_groups"] = self.num_query_groups
+        return [f"{name} {theirs.get(name)!r} ({label}) vs {getattr(self, name)!r} (run)" for name in _FIELD_NAMES
+                if name not in ignored and theirs.get(name) != getattr(self, name)]
+
     def validate(self) -> None:
         """Raise ValueError naming every inconsistent number."""
         errors = []
@@ -67,3 +86,6 @@ class ModelConfig:
             errors.append(f"init_std={self.init_std} must be positive")
         if errors:
             raise ValueError("invalid model: " + "; ".join(errors))
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ModelConfig))

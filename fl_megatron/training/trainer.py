@@ -49,7 +49,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data(samples)
         self.groups = build_process_groups(self.layout, self.device.type)
-        self.backend = make_backend(run, self.groups, self.device, initial_values_for(run, say if self.is_writer else None))
+        initial = initial_values_for(run, say if self.is_writer else None)
+        self.backend = make_backend(run, self.groups, self.device, initial)
         self.ledger = CommLedger()
         self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
@@ -172,8 +173,7 @@ class Trainer:
     def train(self) -> dict:
         """Train from `start_step` (0, or the resumed checkpoint's step) to --train-iters, or until
         a stop condition; save on --save-interval, at the end and before stopping early."""
-        t, saving = self.cfg.training, self.cfg.checkpoint.saving
-        tokens_per_step = self.run.tokens_per_step
+        t, options = self.cfg.training, self.cfg.checkpoint
         stop = StopPolicy(self.cfg.checkpoint, self.device)
         start = time.perf_counter()
         interval_start, interval_steps = start, 0
@@ -187,11 +187,11 @@ class Trainer:
                 stopped = stop.reason(done) if done < t.train_iters else None
                 if done % t.log_interval == 0 or done == t.train_iters or sync is not None or stopped:
                     now = time.perf_counter()
-                    last_loss = self._log_step(done, loss, norm, lr, sync, tokens_per_step, now - interval_start,
-                                               interval_steps, (now - start) / (done - self.start_step) * (t.train_iters - done))
+                    eta = (now - start) / (done - self.start_step) * (t.train_iters - done)
+                    last_loss = self._log_step(done, loss, norm, lr, sync, now - interval_start, interval_steps, eta)
                     interval_start, interval_steps = now, 0
-                if saving and (done == t.train_iters or stopped or
-                               (self.cfg.checkpoint.save_interval and done % self.cfg.checkpoint.save_interval == 0)):
+                if options.saving and (done == t.train_iters or stopped or
+                                       (options.save_interval and done % options.save_interval == 0)):
                     path = self.checkpointer.save(done)
                     say(f"  saved checkpoint {path}", self.is_writer)
                 if stopped:
@@ -205,9 +205,10 @@ class Trainer:
         final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
         return self._summary(last_loss, final_eval, evals, wall, done, stopped)
 
-    def _log_step(self, done: int, loss, norm, lr: float, sync: Optional[SyncResult], tokens_per_step: int,
-                  seconds: float, steps: int, eta: float) -> float:
+    def _log_step(self, done: int, loss, norm, lr: float, sync: Optional[SyncResult], seconds: float,
+                  steps: int, eta: float) -> float:
         """Record and print one step (averaged over ranks); returns the mean loss."""
+        tokens_per_step = self.run.tokens_per_step
         stats = torch.stack([loss.float(), norm.float()]).detach()
         dist.all_reduce(stats)
         stats = (stats / self.env.world_size).tolist()
