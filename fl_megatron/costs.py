@@ -42,6 +42,7 @@ class Collective:
     tier: str
     elements: float
     bytes_per_element: int
+    calls: int = 1
 
     @property
     def bytes(self) -> float:
@@ -94,13 +95,13 @@ def ring_volume(op: str, elements: float, ranks: int) -> float:
 
 
 def _collective(layout: Layout, name: str, op: str, group: str, ranks: int,
-                elements: float, bytes_per_element: int) -> List[Collective]:
-    """A one-entry list, or [] for a single-rank group (nothing moves)."""
-    if ranks <= 1:
+                elements: float, bytes_per_element: int, calls: int = 1) -> List[Collective]:
+    """A one-entry list, or [] for a single-rank group or no data (nothing moves)."""
+    if ranks <= 1 or elements <= 0:
         return []
     scope = INTER_GROUP if group == "peer" else INTRA_GROUP
     return [Collective(name, op, group, ranks, scope, group_tier(layout, group),
-                       ring_volume(op, elements, ranks), bytes_per_element)]
+                       ring_volume(op, elements, ranks), bytes_per_element, calls)]
 
 
 def _check_params(num_params: int) -> None:
@@ -109,7 +110,8 @@ def _check_params(num_params: int) -> None:
 
 
 def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
-              grad_bytes: int = 4, micro_batches: int = 1) -> CommBreakdown:
+              grad_bytes: int = 4, micro_batches: int = 1, regathered_params: Optional[int] = None,
+              units: int = 1) -> CommBreakdown:
     """Per-rank traffic of one optimizer step of `micro_batches` forward/backward passes.
 
     The parameter all-gathers repeat for every micro-batch; gradients are reduced once.
@@ -117,19 +119,25 @@ def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
     Shard group (S): all-gather params for forward and backward (param_bytes) and
     reduce-scatter gradients (grad_bytes): 3*Psi*(S-1)/S elements. HSDP adds an
     all-reduce of the Psi/S gradient shard over the P replicas: 2*(Psi/S)*(P-1)/P.
+    `regathered_params` is how many parameters the backward pass gathers again (default all;
+    FSDP2 keeps the root module's gathered from forward to backward, DeepSpeed keeps up to
+    stage3_max_live_parameters); `units` is the number of separately gathered modules.
     """
     _check_params(num_params)
     s, p = layout.shard_size, layout.replicas
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    backward = num_params if regathered_params is None else regathered_params
+    if not 0 <= backward <= num_params:
+        raise ValueError(f"regathered_params={regathered_params} must be between 0 and num_params={num_params}")
     entries = (_collective(layout, "all_gather_forward", "all_gather", "shard", s,
-                           micro_batches * num_params, param_bytes)
+                           micro_batches * num_params, param_bytes, units)
                + _collective(layout, "all_gather_backward", "all_gather", "shard", s,
-                             micro_batches * num_params, param_bytes)
+                             micro_batches * backward, param_bytes, units)
                + _collective(layout, "reduce_scatter_grads", "reduce_scatter", "shard", s,
-                             num_params, grad_bytes)
+                             num_params, grad_bytes, units)
                + _collective(layout, "all_reduce_grads_replicas", "all_reduce", "replica", p,
-                             num_params / s, grad_bytes))
+                             num_params / s, grad_bytes, units))
     return CommBreakdown(tuple(entries))
 
 

@@ -1,6 +1,7 @@
 """Configuration: dataclasses per section, validation, JSON files and Megatron-style flags."""
 
 from .checkpoint import CheckpointConfig
+from .cluster import ClusterConfig
 from .data import DataConfig
 from .model import ARCHITECTURES, ModelConfig
 from .parallel import BACKENDS, FederationConfig, ParallelConfig
@@ -8,5 +9,5 @@ from .resolved import ResolvedRun, resolve
 from .run import SECTIONS, RunConfig
 from .training import TrainingConfig
 
-__all__ = ["ARCHITECTURES", "BACKENDS", "CheckpointConfig", "DataConfig", "FederationConfig", "ModelConfig",
+__all__ = ["ARCHITECTURES", "BACKENDS", "CheckpointConfig", "ClusterConfig", "DataConfig", "FederationConfig", "ModelConfig",
            "ParallelConfig", "ResolvedRun", "RunConfig", "SECTIONS", "TrainingConfig", "resolve"]

@@ -6,13 +6,14 @@ from typing import Optional
 
 from ..topology import Layout, make_layout
 from .checkpoint import CheckpointConfig
+from .cluster import ClusterConfig
 from .data import DataConfig
 from .deepspeed_json import train_batch_problem
 from .model import ModelConfig
 from .parallel import FederationConfig, ParallelConfig
 from .training import TrainingConfig
 
-SECTIONS = ("model", "parallel", "federation", "training", "data", "checkpoint")
+SECTIONS = ("model", "parallel", "federation", "training", "data", "checkpoint", "cluster")
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     preset: Optional[str] = None
     # The DeepSpeed config minus what became settings above (its 'federation' block); the
     # DeepSpeed backend passes it to the engine. None when no DeepSpeed config was given.

@@ -6,6 +6,8 @@ per-rank memory estimate and communication per step and per sync from the formul
 """
 
 from ..config import ResolvedRun, RunConfig
+from ..cost_model.compare import compare_text
+from ..cost_model.workload import workload_for
 from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes, step_comm,
                      sync_comm)
 from ..models import build_model
@@ -88,6 +90,8 @@ def dry_run_report(run: ResolvedRun) -> str:
         *_breakdown_lines("per federation sync", sync if h else type(sync)()),
         f"  per optimizer step, sync amortised over H={h}: intra-node {format_bytes(amortised['intra-node'])}, "
         f"inter-node {format_bytes(amortised['inter-node'])}",
+        "",
+        compare_text(run, workload_for(run, counts=(num_params, root, len(model.layers)))),
         "",
         _checkpoint_line(cfg, layout, num_params),
     ]

@@ -1,0 +1,109 @@
+"""Predicted time per step and per sync of one layout: compute plus the collectives that run."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..costs import CommBreakdown, step_comm, sync_comm
+from ..topology import Layout
+from .network import Cluster, CollectiveTime, collective_time
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every rank computes and moves in one optimizer step, whatever the layout.
+
+    regathered_params: parameters the backward pass all-gathers again (FSDP2: all but the root
+    module's; DeepSpeed: beyond stage3_max_live_parameters); units: separately gathered modules.
+    eval_forwards: forward passes of one evaluation (each gathers the parameters once)."""
+
+    num_params: int
+    regathered_params: int
+    units: int
+    param_bytes: int
+    grad_bytes: int
+    micro_batches: int
+    tokens_per_step: int
+    compute_seconds: float
+    master_bytes: int = 4
+    eval_forwards: int = 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the same workload: a layout, H (0: no sync) and the HSDP averaging variant."""
+
+    label: str
+    layout: Layout
+    sync_interval: int = 0
+    replica_split: bool = True
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds and inter-node wire bytes (all nodes together) of one variant."""
+
+    variant: Variant
+    compute_seconds: float
+    step_comm: tuple[CollectiveTime, ...]
+    sync_comm: tuple[CollectiveTime, ...]
+    step_seconds: float
+    eval_comm_seconds: float
+    eval_inter_node_bytes: float
+
+    @property
+    def sync_seconds(self) -> float:
+        return sum(t.seconds for t in self.sync_comm)
+
+    @property
+    def step_inter_node_bytes(self) -> float:
+        return sum(t.inter_node_wire_bytes for t in self.step_comm)
+
+    @property
+    def sync_inter_node_bytes(self) -> float:
+        return sum(t.inter_node_wire_bytes for t in self.sync_comm)
+
+    @property
+    def mean_step_seconds(self) -> float:
+        """One step with the sync amortised over H steps."""
+        h = self.variant.sync_interval
+        return self.step_seconds + (self.sync_seconds / h if h else 0.0)
+
+    def run_seconds(self, steps: int) -> float:
+        """`steps` steps and their syncs (one every H steps and one after the last)."""
+        return steps * self.step_seconds + self.syncs(steps) * self.sync_seconds
+
+    def syncs(self, steps: int) -> int:
+        h = self.variant.sync_interval
+        return 0 if not h or not self.sync_comm else steps // h + (steps % h != 0)
+
+    def run_inter_node_bytes(self, steps: int, evaluations: int = 0) -> float:
+        """Inter-node wire bytes of `steps` steps, their syncs and `evaluations` evaluations."""
+        return (steps * self.step_inter_node_bytes + self.syncs(steps) * self.sync_inter_node_bytes
+                + evaluations * self.eval_inter_node_bytes)
+
+
+def _timed(breakdown: CommBreakdown, layout: Layout, cluster: Cluster) -> tuple[CollectiveTime, ...]:
+    return tuple(collective_time(c, layout, cluster) for c in breakdown.entries)
+
+
+def predict(variant: Variant, work: Workload, cluster: Cluster, overlap: float = 0.0,
+            compute_seconds: Optional[float] = None) -> Prediction:
+    """Time of one step: compute plus the in-group collectives, of which `overlap` (a fraction of the
+    smaller of the two) hides behind compute; a sync is blocking and adds its collectives' time."""
+    layout = variant.layout
+    compute = work.compute_seconds if compute_seconds is None else compute_seconds
+    step = _timed(step_comm(layout, work.num_params, work.param_bytes, work.grad_bytes, work.micro_batches,
+                            work.regathered_params, work.units), layout, cluster)
+    sync = _timed(sync_comm(layout, work.num_params, work.master_bytes, variant.replica_split), layout,
+                  cluster) if variant.sync_interval else ()
+    comm = sum(t.seconds for t in step)
+    gathers = step_comm(layout, work.num_params, work.param_bytes, micro_batches=max(work.eval_forwards, 1),
+                        units=work.units).entries
+    evaluation = _timed(CommBreakdown(tuple(c for c in gathers if c.name == "all_gather_forward")), layout,
+                        cluster) if work.eval_forwards else ()
+    return Prediction(variant, compute, step, sync, compute + comm - overlap * min(compute, comm),
+                      sum(t.seconds for t in evaluation), sum(t.inter_node_wire_bytes for t in evaluation))
+
+
+def tokens_per_second(prediction: Prediction, tokens_per_step: int) -> float:
+    return tokens_per_step / prediction.mean_step_seconds
