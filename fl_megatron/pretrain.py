@@ -47,7 +47,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .training.dry_run import dry_run_report
         print(dry_run_report(run))
         return 0
+    from .training.dashboards import check_dashboard_packages
     try:
+        check_dashboard_packages(cfg.training)
         _check_sources(run)
         samples = _open_data(run)
     except (ValueError, OSError) as e:

@@ -42,6 +42,14 @@ class TrainingConfig:
     eval_iters: int = field(default=4, metadata={"help": "micro-batches per rank in one evaluation (0: no evaluation)"})
     log_interval: int = field(default=10, metadata={"help": "print and record metrics every this many steps"})
     run_dir: str = field(default="runs/latest", metadata={"help": "directory for config.json, metrics.jsonl and summary.json"})
+    tensorboard_dir: Optional[str] = field(
+        default=None, metadata={"help": "also write every metrics.jsonl scalar as TensorBoard events here "
+                                        "(needs pip install -e \".[tensorboard]\")"})
+    wandb_project: Optional[str] = field(
+        default=None, metadata={"help": "also log every metrics.jsonl scalar to this Weights & Biases project "
+                                        "(needs pip install -e \".[wandb]\"; WANDB_MODE applies)"})
+    wandb_exp_name: Optional[str] = field(
+        default=None, metadata={"help": "name of the Weights & Biases run (default: the run dir's name)"})
 
     def decay_iters(self) -> int:
         """Step at which the learning rate reaches min_lr."""
@@ -85,5 +93,8 @@ class TrainingConfig:
                 errors.append(f"{name}={getattr(self, name)} must be >= 0")
         if self.log_interval < 1:
             errors.append(f"log_interval={self.log_interval} must be at least 1")
+        if self.wandb_exp_name is not None and self.wandb_project is None:
+            errors.append(f"wandb_exp_name={self.wandb_exp_name!r} is set but wandb_project is not; "
+                          "give --wandb-project too")
         if errors:
             raise ValueError("invalid training settings: " + "; ".join(errors))

@@ -17,6 +17,7 @@ from ..data import BatchSource, eval_batches
 from ..data.sources import run_samples
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from .console import batch_line, federation_line, format_duration, progress_line, say
+from .dashboards import Dashboards, RunRecords
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -56,6 +57,8 @@ class Trainer:
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
         self.start_step = self.checkpointer.resume(lambda text: say(text, self.is_writer))
         self.files.open_metrics(self.start_step)
+        self.records = RunRecords(self.files, Dashboards(t, cfg.to_dict(), self.is_writer))
+        self._started = time.perf_counter()  # reset when training starts; elapsed_s counts from it
         self._step_traffic = _Calibrated()
         self._eval_traffic = _Calibrated()
 
@@ -175,7 +178,7 @@ class Trainer:
         a stop condition; save on --save-interval, at the end and before stopping early."""
         t, options = self.cfg.training, self.cfg.checkpoint
         stop = StopPolicy(self.cfg.checkpoint, self.device)
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         interval_start, interval_steps = start, 0
         last_loss, stopped, done = math.nan, None, self.start_step
         evals: list[dict] = []
@@ -213,8 +216,8 @@ class Trainer:
         dist.all_reduce(stats)
         stats = (stats / self.env.world_size).tolist()
         record = {
-            "step": done, "tokens": done * tokens_per_step, "loss": stats[0], "lr": lr,
-            "grad_norm": stats[1],
+            "step": done, "tokens": done * tokens_per_step, "elapsed_s": time.perf_counter() - self._started,
+            "loss": stats[0], "lr": lr, "grad_norm": stats[1],
             "tokens_per_s": steps * tokens_per_step / max(seconds, 1e-9),
             "synced": sync is not None,
             "sync_seconds": sync.seconds if sync else 0.0,
@@ -222,14 +225,15 @@ class Trainer:
         }
         if sync is not None:
             record.update(param_variance=sync.variance, param_rms=sync.param_rms)
-        self.files.log(record)
+        self.records.log(record)
         say(progress_line(record, self.cfg.training.train_iters, eta), self.is_writer)
         return stats[0]
 
     def _eval_record(self, step: int) -> dict:
         loss = self.evaluate()
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
-        self.files.log(record)
+        record = {"step": step, "elapsed_s": time.perf_counter() - self._started, "eval_loss": loss,
+                  "eval_perplexity": math.exp(min(loss, 50.0))}
+        self.records.log(record)
         say(f"  eval at step {step}: loss {loss:.4f}, perplexity {record['eval_perplexity']:.2f}", self.is_writer)
         return record
 
@@ -273,4 +277,4 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.files.close()
+        self.records.close()

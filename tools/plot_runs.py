@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Plot runs side by side from their metrics.jsonl files (matplotlib, Agg: no display needed).
+
+    python tools/plot_runs.py runs/fsdp runs/fl-h8 [--label FSDP "FL H=8"] [--out plots]
+
+Writes, one line per run: loss_vs_tokens.png, loss_vs_time.png (wall clock: elapsed_s),
+eval_loss_vs_tokens.png (when a run evaluated) and bytes_per_tier.png (rank 0's cumulative
+intra-node and inter-node payload bytes against step). Needs pip install -e ".[plots]".
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+MIB = 2 ** 20
+
+
+@dataclass
+class Run:
+    """One run's records: optimizer-step records and evaluation records, in file order."""
+
+    label: str
+    steps: list
+    evals: list
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The objects of RUN_DIR/metrics.jsonl; a torn last line (a killed run) is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl: is it a run directory (--run-dir) of a run "
+                         "that logged at least one step?")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
+    return records
+
+
+def default_label(run_dir: Path) -> str:
+    """The directory's name, with the layout from summary.json when there is one."""
+    label = Path(run_dir).resolve().name
+    summary = Path(run_dir) / "summary.json"
+    if summary.is_file():
+        layout = json.loads(summary.read_text()).get("layout") or {}
+        if layout.get("num_groups", 1) > 1:
+            sync = layout.get("sync_interval") or "never"
+            label += f" ({layout['num_groups']} groups of {layout['group_size']}, sync {sync})"
+    return label
+
+
+def load_run(run_dir: Path, label: Optional[str] = None) -> Run:
+    records = read_records(run_dir)
+    return Run(label or default_label(run_dir), [r for r in records if "loss" in r],
+               [r for r in records if "eval_loss" in r])
+
+
+def wall_clock(records: list) -> list[float]:
+    """elapsed_s made continuous over resumes (each resumed process counts from 0 again)."""
+    out, offset, previous = [], 0.0, 0.0
+    for r in records:
+        if r["elapsed_s"] < previous:
+            offset += previous
+        previous = r["elapsed_s"]
+        out.append(offset + previous)
+    return out
+
+
+def _figure(title: str, xlabel: str, ylabel: str, ncols: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4 * ncols, 4.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return fig, axes
+
+
+def loss_vs_tokens(runs: Sequence[Run]):
+    fig, (ax,) = _figure("Training loss", "tokens", "loss (mean over ranks)")
+    for run in runs:
+        ax.plot([r["tokens"] for r in run.steps], [r["loss"] for r in run.steps], label=run.label)
+    ax.legend()
+    return fig
+
+
+def loss_vs_time(runs: Sequence[Run]):
+    """Loss against wall-clock seconds; runs whose records have no elapsed_s are left out."""
+    timed = [run for run in runs if run.steps and all("elapsed_s" in r for r in run.steps)]
+    if not timed:
+        return None
+    fig, (ax,) = _figure("Training loss against wall-clock time", "seconds since training started",
+                         "loss (mean over ranks)")
+    for run in timed:
+        ax.plot(wall_clock(run.steps), [r["loss"] for r in run.steps], label=run.label)
+    ax.legend()
+    return fig
+
+
+def eval_loss_vs_tokens(runs: Sequence[Run]):
+    """Held-out loss against tokens (step x tokens per step); None when no run evaluated."""
+    evaluated = [run for run in runs if run.evals and run.steps]
+    if not evaluated:
+        return None
+    fig, (ax,) = _figure("Evaluation loss", "tokens", "eval loss")
+    for run in evaluated:
+        per_step = run.steps[-1]["tokens"] / run.steps[-1]["step"]
+        ax.plot([r["step"] * per_step for r in run.evals], [r["eval_loss"] for r in run.evals],
+                marker="o", label=run.label)
+    ax.legend()
+    return fig
+
+
+def bytes_per_tier(runs: Sequence[Run]):
+    """Two panels, intra-node and inter-node: cumulative MiB of rank 0 against step (runs that
+    did not count bytes, such as the torchft peers, are left out)."""
+    fig, axes = _figure("Payload bytes per network tier (rank 0, cumulative)", "step", "MiB", ncols=2)
+    for ax, tier in zip(axes, ("intra_node", "inter_node")):
+        ax.set_title(tier.replace("_", "-"))
+        for run in runs:
+            counted = [r for r in run.steps if f"{tier}_bytes" in r]
+            if counted:
+                ax.plot([r["step"] for r in counted], [r[f"{tier}_bytes"] / MIB for r in counted], label=run.label)
+        ax.legend()
+    return fig
+
+
+def plot_runs(runs: Sequence[Run]) -> dict:
+    """{file name: Figure} for every plot that has data."""
+    figures = {"loss_vs_tokens.png": loss_vs_tokens(runs), "loss_vs_time.png": loss_vs_time(runs),
+               "eval_loss_vs_tokens.png": eval_loss_vs_tokens(runs), "bytes_per_tier.png": bytes_per_tier(runs)}
+    return {name: fig for name, fig in figures.items() if fig is not None}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (--run-dir of each run)")
+    p.add_argument("--out", default="plots", metavar="DIR", help="where the PNG files go (default: plots)")
+    p.add_argument("--label", nargs="+", action="extend", metavar="NAME",
+                   help="one legend label per run, in order (default: directory name and layout)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError('matplotlib is not installed: pip install -e ".[plots]"')
+        if args.label and len(args.label) != len(args.run_dirs):
+            raise ValueError(f"{len(args.label)} --label value(s) for {len(args.run_dirs)} run directories; "
+                             "give one label per run or none")
+        labels = args.label or [None] * len(args.run_dirs)
+        runs = [load_run(Path(d), label) for d, label in zip(args.run_dirs, labels)]
+    except ValueError as e:
+        print(f"plot_runs: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fig in plot_runs(runs).items():
+        fig.savefig(out / name, dpi=120)
+        print(f"wrote {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
