@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-deepspeed test bench bench-data bench-checkpoint dry-run clean
+.PHONY: demo demo-deepspeed test bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -49,6 +49,23 @@ bench: $(VENV)/.package
 
 bench-checkpoint: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_checkpoint.py $(ARGS)
+
+# The speed-up on an emulated two-tier cluster (network namespaces, needs root; unshaped without),
+# beside the cost model, torchft and DeepSpeed: ARGS="--nodes 4 --rows fsdp hsdp fl-fsdp ..." for HSDP rows.
+$(VENV)/.bench-extras: setup.py $(VENV)/.package
+	$(BIN)/python -m pip install -q -e ".[deepspeed,peers,plots]"
+	touch $@
+
+bench-cluster: $(VENV)/.bench-extras
+	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_cluster.py $(ARGS)
+
+# Evaluation perplexity of FSDP vs FL+FSDP and HSDP vs FL+HSDP at equal tokens, three seeds.
+bench-quality: $(VENV)/.package
+	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_quality.py $(ARGS)
+
+# Predicted time per step and speed-ups of the published setup (ARGS: pretrain and cluster flags instead).
+cost-model: $(VENV)/.package
+	$(BIN)/python tools/cost_model.py $(if $(ARGS),$(ARGS),--preset published)
 
 bench-data: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_data.py $(ARGS)

@@ -26,9 +26,17 @@ setup(
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         # Hugging Face tokenizer.json files for tools/preprocess_data.py (--tokenizer-type HuggingFaceTokenizer)
         "data": ["tokenizers>=0.19"],
+        # --tensorboard-dir writes TensorBoard event files; --wandb-project logs to Weights & Biases
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.17"],
+        # tools/plot_runs.py and the two-tier benchmark's figures
+        "plots": ["matplotlib>=3.7"],
+        # the peer rows of tools/bench_cluster.py (torchft LocalSGD and DiLoCo)
+        "peers": ["torchft==0.2.0"],
         # megatron-core: format compatibility tests of the indexed datasets (its dataset code needs no GPU)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
-                 "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1"],
+                 "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1",
+                 "tensorboard>=2.14", "matplotlib>=3.7", "torchft==0.2.0"],
     },
     entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},
 )

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The speed-up on an emulated two-tier cluster, measured beside the cost model and torchft.
+
+Nodes are network namespaces (loopback inside a node), links between nodes are shaped with tbf
+(needs root; without it everything runs unshaped on loopback, with a note). Every row trains the
+same model, data, seed and steps; the table shows tokens/s over the same span of steps, the ratio
+to FSDP, inter-node bytes from the links' counters beside the cost model's prediction, predicted
+and measured time per step, final eval loss and peak memory per rank. Writes bench.json, bench.md
+and PNG plots to --out.
+
+  python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rate-mbit 100         # 2x2 + peers
+  python tools/bench_cluster.py --nodes 4 --ranks-per-node 2 --rate-mbit 100 \\
+      --rows fsdp hsdp fl-fsdp fl-hsdp-naive fl-hsdp-split                          # HSDP layouts
+"""
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+REPO = TOOLS.parent
+sys.path[:0] = [str(TOOLS), str(REPO)]
+
+from cluster_bench.bench_report import write_outputs  # noqa: E402
+from cluster_bench.netns_cluster import EmulatedCluster, run_job  # noqa: E402
+from cluster_bench.prediction import predict_row  # noqa: E402
+from cluster_bench.rows import Row, all_rows, select_rows  # noqa: E402
+from cluster_bench.run_outputs import compute_seconds, measured  # noqa: E402
+from peers.torchft_launch import run_torchft, torchft_commands  # noqa: E402
+
+CALIBRATION_STEPS = 10
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="link rate between nodes (0: unshaped)")
+    p.add_argument("--sync-interval", type=int, default=8, help="H of the federated rows")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the timed span of every row")
+    p.add_argument("--rows", nargs="+", help="row keys (default: every row the cluster shape allows)")
+    p.add_argument("--out", default="runs/bench-cluster")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per row")
+    p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
+    p.add_argument("--config", default=str(REPO / "examples" / "demo.json"), help="model and training config")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then pretrain flags for every row")
+    args = p.parse_args(argv)
+    problems = [f"--{k.replace('_', '-')} must be at least {low}" for k, low in
+                (("nodes", 1), ("ranks_per_node", 1), ("steps", 2), ("sync_interval", 1)) if getattr(args, k) < low]
+    if not 0 <= args.warmup < args.steps:
+        problems.append(f"--warmup {args.warmup} must be in [0, --steps)")
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def common_flags(args, steps: int | None = None) -> list[str]:
+    return ["--config", args.config, "--train-iters", str(steps or args.steps), "--lr-warmup-iters", "2",
+            "--eval-interval", "0", "--eval-iters", "2", "--log-interval", "1",
+            *[a for a in args.extra if a != "--"]]
+
+
+def run_row(cluster, args, row: Row, run_dir: Path, steps: int) -> list | None:
+    """Train one row in the cluster; returns the per-node counter deltas (None on loopback)."""
+    flags = [*common_flags(args, steps), *row.flags(), "--ranks-per-node", str(args.ranks_per_node),
+             "--run-dir", str(run_dir)]
+    if not row.is_peer:
+        result = run_job(cluster, args.ranks_per_node, ["-m", "fl_megatron.pretrain", *flags], args.timeout,
+                         log_dir=str(run_dir / "logs"))
+        if not result.ok:
+            raise RuntimeError(f"{row.label} failed (exit codes {result.returncodes}, timed out: {result.timed_out})"
+                               f"\n{result.stdout_tails[0][-1500:]}\n{result.stderr_tails[0][-3000:]}")
+        return result.counters
+    netns = cluster.mode == "netns"
+    plan = torchft_commands(
+        args.nodes, args.ranks_per_node, flags,
+        prefixes=[["ip", "netns", "exec", cluster.node_ns(k)] for k in range(args.nodes)] if netns else None,
+        advertise_hosts=[cluster.node_ip(k) for k in range(args.nodes)],
+        lighthouse_addr=f"{cluster.node_ip(0)}:{cluster.pick_port()}",
+        lighthouse_prefix=["ip", "netns", "exec", cluster.node_ns(0)] if netns else ())
+    for command in plan.groups:
+        if netns:
+            command.env["GLOO_SOCKET_IFNAME"] = "eth0"
+    before = cluster.counters()
+    result = run_torchft(plan, timeout=args.timeout, log_dir=run_dir / "logs")
+    after = cluster.counters()
+    if not result.ok:
+        logs = "\n".join(f"{name}: {path}" for name, path in result.logs.items())
+        raise RuntimeError(f"{row.label} failed: {result.failure}\nlogs:\n{logs}")
+    return None if before is None else [a - b for a, b in zip(after, before)]
+
+
+def calibrate(cluster, args, backend: str, out: Path) -> float:
+    """Median step time of groups of one node that never average: compute plus on-node collectives."""
+    row = Row(f"calibrate-{backend}", "calibration", args.ranks_per_node, backend=backend)
+    run_dir = out / row.key
+    run_row(cluster, args, row, run_dir, CALIBRATION_STEPS)
+    return compute_seconds(run_dir, warmup=2)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FL_MEGATRON_CACHE", str(out / "cache"))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        rows = select_rows(all_rows(args.nodes, args.ranks_per_node, args.sync_interval), args.rows)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rate = args.rate_mbit or None
+    results, compute = [], {}
+    with EmulatedCluster(args.nodes, rate, mode=args.mode) as cluster:
+        if cluster.note:
+            print(f"NOTE: {cluster.note}", flush=True)
+        print(f"cluster: {args.nodes} nodes x {args.ranks_per_node} ranks, {cluster.mode}, "
+              f"{f'{rate:g} Mbit/s' if rate else 'unshaped'} between nodes", flush=True)
+        for backend in sorted({r.backend for r in rows}):
+            compute[backend] = calibrate(cluster, args, backend, out)
+            print(f"  calibrated compute per step ({backend}): {compute[backend]:.3f} s", flush=True)
+        for row in rows:
+            run_dir = out / row.key
+            counters = run_row(cluster, args, row, run_dir, args.steps)
+            pred = predict_row(row, common_flags(args), args.nodes, args.ranks_per_node, rate,
+                               compute[row.backend], args.steps, args.warmup)
+            got = measured(run_dir, args.warmup, pred["tokens_per_step"])
+            _check_layout(row, got.get("layout"), args.nodes * args.ranks_per_node)
+            wire = sum(c.wire_tx_bytes for c in counters) if counters else None
+            results.append({"row": {**row.__dict__, "extra": list(row.extra)}, "run_dir": str(run_dir),
+                            "measured": got, "predicted": pred, "inter_node_wire_bytes": wire,
+                            "counters": [c.as_dict() for c in counters] if counters else None})
+            print(f"  {row.label:<36} {got['tokens_per_s']:>8,.0f} tok/s (predicted {pred['tokens_per_s']:,.0f}), "
+                  f"{got['step_seconds']:.3f} s/step (predicted {pred['step_seconds']:.3f}), inter-node "
+                  + (f"{wire / 1e6:.1f} MB" if wire is not None else "n/a")
+                  + f" (predicted {pred['inter_node_bytes'] / 1e6:.1f} MB)", flush=True)
+        setup = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "rate_mbit": rate,
+                 "sync_interval": args.sync_interval, "steps": args.steps, "warmup": args.warmup,
+                 "cluster_mode": cluster.mode, "note": cluster.note, "compute_seconds": compute,
+                 "command": shlex.join([Path(sys.argv[0]).name if argv is None else "bench_cluster.py",
+                                        *(sys.argv[1:] if argv is None else argv)])}
+    json_path, md_path, table = write_outputs(out, setup, results)
+    print("\n" + table + f"\nwrote {json_path} and {md_path}")
+    _plots(out, results)
+    return 0
+
+
+def _check_layout(row: Row, layout: dict | None, world: int) -> None:
+    """The run trained the layout the row asked for (a config file cannot silently override it)."""
+    if layout is None:  # a summary without a layout (nothing to check)
+        return
+    want = (world // row.group_size, row.group_size // (row.shard_size or row.group_size))
+    got = (layout["num_groups"], layout["replicas"])
+    if got != want:
+        raise RuntimeError(f"{row.label}: the run used {got[0]} groups x {got[1]} replicas, not {want}")
+
+
+def _plots(out: Path, results: list[dict]) -> None:
+    """Loss against tokens and time, bytes per tier: one figure per kind, every row in it."""
+    try:
+        import plot_runs
+        plot_runs.main([*(r["run_dir"] for r in results), "--label", *(r["row"]["label"] for r in results),
+                        "--out", str(out / "plots")])
+    except (ImportError, ValueError) as e:
+        print(f"no plots: {e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

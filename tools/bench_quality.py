@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Quality at equal tokens: evaluation perplexity of FSDP vs FL+FSDP and HSDP vs FL+HSDP, several seeds.
+
+Every run trains the demo model on the demo data (examples/demo.json) with the same hyper-parameters,
+steps and tokens; only the layout and the seed change. The network does not affect quality, so the
+runs use torchrun on this machine (loopback). Prints mean and spread per layout and writes
+quality.json and quality.md to --out.
+
+  python tools/bench_quality.py --seeds 1 2 3 --out runs/quality
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (ranks, flags); pairs compare a baseline with its federated form at equal ranks and tokens.
+# Every layout names its group size: examples/demo.json itself sets groups of 2.
+LAYOUTS = {
+    "FSDP": (4, ["--fl-group-size", "4"]),
+    "FL+FSDP": (4, ["--fl-group-size", "2"]),
+    "HSDP": (8, ["--ranks-per-node", "2", "--fl-group-size", "8", "--fl-hsdp-shard-size", "2"]),
+    "FL+HSDP": (8, ["--ranks-per-node", "2", "--fl-group-size", "4", "--fl-hsdp-shard-size", "2"]),
+}
+# what summary.json must report for each: (federation groups, replicas per group)
+EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2)}
+PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP")}
+
+
+def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float) -> dict:
+    """One training run; returns its summary.json (raises with the log tail on failure)."""
+    ranks, flags = LAYOUTS[name]
+    run_dir = out / f"{name.replace('+', '_')}-seed{seed}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "-m", "fl_megatron.pretrain", "--config", str(REPO / "examples" / "demo.json"), *flags,
+           "--seed", str(seed), "--run-dir", str(run_dir), *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} seed {seed} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    got = (summary["layout"]["num_groups"], summary["layout"]["replicas"])
+    if got != EXPECTED[name]:
+        raise RuntimeError(f"{name} ran {got[0]} groups of {got[1]} replicas, expected {EXPECTED[name]}")
+    print(f"  {name:<8} seed {seed}: eval loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.2f}, "
+          f"{summary['tokens']:,} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
+    return {"layout": name, "seed": seed, "run_dir": str(run_dir), "eval_loss": summary["eval_loss"],
+            "eval_perplexity": summary["eval_perplexity"], "tokens": summary["tokens"]}
+
+
+def stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def markdown(results: list[dict], table: dict) -> str:
+    lines = ["| layout | seeds | tokens | eval perplexity mean | std | min | max |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in table.items():
+        tokens = next(r["tokens"] for r in results if r["layout"] == name)
+        lines.append(f"| {name} | {s['n']} | {tokens:,} | {s['mean']:.2f} | {s['std']:.2f} | {s['min']:.2f} | {s['max']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=sorted(PAIRS))
+    parser.add_argument("--out", default="runs/quality")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="-- then flags passed to every run")
+    args = parser.parse_args(argv)
+    extra = [a for a in args.extra if a != "--"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for pair in args.pairs:
+        for name in PAIRS[pair]:
+            for seed in args.seeds:
+                results.append(run_one(name, seed, out, extra, args.timeout))
+    table = {name: stats([r["eval_perplexity"] for r in results if r["layout"] == name])
+             for pair in args.pairs for name in PAIRS[pair]}
+    for pair in args.pairs:
+        base, fl = PAIRS[pair]
+        ratios = [math.exp(a["eval_loss"] - b["eval_loss"]) for a in results if a["layout"] == base
+                  for b in results if b["layout"] == fl and b["seed"] == a["seed"]]
+        table[f"{base}/{fl} perplexity ratio"] = stats(ratios)
+    text = markdown(results, {k: v for k, v in table.items() if "ratio" not in k})
+    for key, s in table.items():
+        if "ratio" in key:
+            text += f"\n{key} (same seed): mean {s['mean']:.3f}, std {s['std']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}\n"
+    print(text)
+    (out / "quality.json").write_text(json.dumps({"runs": results, "stats": table}, indent=2) + "\n")
+    (out / "quality.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

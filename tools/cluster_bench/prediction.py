@@ -1,0 +1,43 @@
+"""The cost model's prediction for one benchmark row, on the emulated cluster's links."""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fl_megatron.config import resolve  # noqa: E402
+from fl_megatron.config.flags import parse_args  # noqa: E402
+from fl_megatron.cost_model import Cluster, Variant, predict, workload_for  # noqa: E402
+
+# Bytes on a 1500-byte-MTU Ethernet wire per TCP payload byte in a ring: each 1448-byte segment
+# travels in a 1514-byte frame, and the node also sends one 66-byte ACK per two segments it receives
+# (rings receive as much as they send).
+TCP_WIRE_OVERHEAD = (1514 + 66 / 2) / 1448
+# on-node work (compute and loopback collectives) is inside the calibrated compute time
+FREE_GBPS = 1e9
+
+
+def emulated_cluster(rate_mbit: float | None) -> Cluster:
+    """gloo rings over tbf links of `rate_mbit` (None: unshaped, links taken as free)."""
+    inter = rate_mbit / 1000 if rate_mbit else FREE_GBPS
+    return Cluster(inter_node_gbps=inter, intra_node_gbps=FREE_GBPS, wire_overhead=TCP_WIRE_OVERHEAD,
+                   library="gloo")
+
+
+def predict_row(row, common_flags: list[str], nodes: int, ranks_per_node: int, rate_mbit: float | None,
+                compute_s: float, steps: int, warmup: int, evaluations: int = 1) -> dict:
+    """Predicted seconds per step over the timed span and inter-node wire bytes of the whole run."""
+    world = nodes * ranks_per_node
+    cfg, _ = parse_args([*common_flags, *row.layout_flags(), "--ranks-per-node", str(ranks_per_node)])
+    run = resolve(cfg, world, ranks_per_node)
+    work = replace(workload_for(run, compute_seconds=compute_s), eval_forwards=cfg.training.eval_iters)
+    p = predict(Variant(row.label, run.layout, row.sync_interval, row.replica_split), work,
+                emulated_cluster(rate_mbit))
+    span = steps - warmup
+    # syncs inside the span: every H steps after the warm-up, and one after the last step
+    syncs_in_span = p.syncs(steps) - (warmup // row.sync_interval if row.sync_interval else 0)
+    seconds = span * p.step_seconds + syncs_in_span * p.sync_seconds
+    return {"step_seconds": seconds / span, "tokens_per_s": span * run.tokens_per_step / seconds,
+            "inter_node_bytes": p.run_inter_node_bytes(steps, evaluations),
+            "sync_seconds": p.sync_seconds, "compute_seconds": compute_s, "tokens_per_step": run.tokens_per_step}

@@ -1,0 +1,93 @@
+"""Stopping the processes a cluster started, and all their descendants, by PID.
+
+Launched processes get their own session (process group), but torchrun starts its workers
+in new sessions too, so killing the group alone can orphan them: the descendants are
+collected from /proc before any signal is sent and signalled one by one.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+
+def _children_map() -> dict[int, list[int]]:
+    """Parent PID -> child PIDs, from /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of `pid` (children first, then their children, ...)."""
+    children = _children_map()
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _killpg(proc: subprocess.Popen, sig: int) -> None:
+    """Signal `proc`'s group while `proc` is unreaped (so its PID, the group id, is not reused)."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 3.0, extra: list[int] = ()) -> None:
+    """SIGTERM each proc's process group, all their descendants and `extra`; after `grace_s`
+    SIGKILL what is left, then reap the procs.
+
+    Each proc must have been started with start_new_session=True (its PID is its group id).
+    """
+    me = os.getpid()
+    procs = [proc for proc in procs if proc.returncode is None]  # reaped: PID may be reused
+    found = [d for proc in procs for d in descendants(proc.pid)]
+    pids = [p for p in dict.fromkeys([*found, *extra]) if p != me]
+    for proc in procs:
+        _killpg(proc, signal.SIGTERM)
+    _signal(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        done = all(proc.poll() is not None for proc in procs)
+        if done and not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.02)
+    pids += [d for p in pids if _alive(p) for d in descendants(p)]
+    for proc in procs:
+        _killpg(proc, signal.SIGKILL)
+    _signal([p for p in pids if _alive(p) and p != me], signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,65 @@
+"""The rows of the two-tier benchmark: which system, backend and layout each one runs."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run of the benchmark. group_size/shard_size are ranks (None: all ranks / the group);
+    sync_interval 0 means no averaging; system is "fl-megatron" or "torchft-localsgd"/"-diloco"."""
+
+    key: str
+    label: str
+    group_size: int
+    shard_size: int | None = None
+    sync_interval: int = 0
+    replica_split: bool = True
+    backend: str = "fsdp2"
+    system: str = "fl-megatron"
+    extra: tuple = field(default_factory=tuple)
+
+    @property
+    def is_peer(self) -> bool:
+        return self.system != "fl-megatron"
+
+    def layout_flags(self) -> list[str]:
+        """The layout, averaging and backend of this row as pretrain flags."""
+        out = ["--fl-group-size", str(self.group_size), "--fl-sync-interval", str(self.sync_interval),
+               "--backend", self.backend, "--fl-replica-split" if self.replica_split else "--no-fl-replica-split"]
+        return out + (["--fl-hsdp-shard-size", str(self.shard_size)] if self.shard_size else [])
+
+    def flags(self) -> list[str]:
+        """Flags of this row on top of the benchmark's common flags (peers add their algorithm)."""
+        return self.layout_flags() + list(self.extra)
+
+
+def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
+    """Every row that the cluster shape allows, baselines first."""
+    world, rpn, h = nodes * ranks_per_node, ranks_per_node, sync_interval
+    rows = [Row("fsdp", f"FSDP over {world}", world)]
+    if nodes > 1 and rpn > 1:
+        rows.append(Row("hsdp", f"HSDP {nodes}x{rpn} (shard in node)", world, rpn))
+    rows.append(Row("fl-fsdp", f"FL+FSDP {nodes} groups of {rpn}", rpn, None, h))
+    if nodes >= 4 and rpn > 1 and nodes % 2 == 0:  # groups of two nodes: P = 2 replicas of a node's shard
+        g = 2 * rpn
+        rows.append(Row("fl-hsdp-naive", f"FL+HSDP {world // g}x(2x{rpn}) naive", g, rpn, h, replica_split=False))
+        rows.append(Row("fl-hsdp-split", f"FL+HSDP {world // g}x(2x{rpn}) split", g, rpn, h))
+    rows.append(Row("torchft-localsgd", "torchft LocalSGD (FSDP2 in node)", rpn, None, h, system="torchft-localsgd",
+                    extra=("--algorithm", "localsgd")))
+    rows.append(Row("torchft-diloco", "torchft DiLoCo (FSDP2 in node)", rpn, None, h, system="torchft-diloco",
+                    extra=("--algorithm", "diloco")))
+    rows.append(Row("zero3", f"DeepSpeed ZeRO-3 over {world}", world, backend="deepspeed"))
+    rows.append(Row("fl-zero3", f"FL+ZeRO-3 {nodes} groups of {rpn}", rpn, None, h, backend="deepspeed"))
+    return rows
+
+
+def select_rows(rows: list[Row], keys: list[str] | None) -> list[Row]:
+    """The rows named in `keys` (all when None); unknown names are an error listing the valid ones."""
+    if not keys:
+        return rows
+    known = {r.key: r for r in rows}
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise ValueError(f"unknown or inapplicable row(s) {', '.join(unknown)} for this cluster; "
+                         f"valid: {', '.join(known)}")
+    return [known[k] for k in keys]

@@ -1,0 +1,100 @@
+"""The peer's data, loss and training loop: the batches, loss, schedule and timed span of
+fl_megatron's Trainer, with torchft's hooks on the optimizer doing the syncs."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fl_megatron.data import BatchSource, eval_batches
+from fl_megatron.data.sources import run_samples
+from fl_megatron.training.lr_schedule import learning_rate
+
+from peer_config import PeerRun
+
+
+def load_data(peer: PeerRun):
+    """(train BatchSource over the whole federated world, valid samples or None), as Trainer._load_data:
+    rank 0 of each replica group prepares the data and index caches, its group then opens them."""
+    cfg = peer.run.cfg
+    d, t = cfg.data, cfg.training
+
+    def build():
+        return run_samples(d, t.seq_length, t.seed, cfg.model.vocab_size, bool(t.eval_iters))
+
+    if peer.group_rank == 0:
+        train, valid = build()
+        train.prepare_for(t.train_iters * peer.run.accumulation * t.micro_batch_size * peer.world_size)
+        if valid is not None:
+            valid.prepare_for(t.eval_iters * t.micro_batch_size * peer.world_size)
+    dist.barrier()
+    if peer.group_rank != 0:
+        train, valid = build()
+    return BatchSource(train, None, peer.world_size, t.micro_batch_size, peer.run.accumulation), valid
+
+
+def lm_loss(backend, batch: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Next-token cross entropy of one micro-batch (what Trainer._loss computes)."""
+    low, high = torch.aminmax(batch)
+    if int(high) >= vocab_size or int(low) < 0:
+        raise ValueError(f"the data holds token id {int(high)} but the model's vocab_size is {vocab_size}")
+    batch = batch.to(device, non_blocking=True)
+    logits = backend.forward(batch[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+@dataclass
+class StepLog:
+    """Per-step values of this rank (losses and norms stay tensors: no host sync in the loop)."""
+
+    start: float = 0.0
+    wall: float = 0.0
+    losses: list = field(default_factory=list)
+    norms: list = field(default_factory=list)
+    lrs: list = field(default_factory=list)
+    synced: list = field(default_factory=list)
+    ends: list = field(default_factory=list)   # perf_counter after each step (and its sync)
+    eval_elapsed: float = 0.0                  # seconds from `start` to the end of the final evaluation
+
+
+def train_steps(peer: PeerRun, backend, source: BatchSource, manager, final_sync: Callable[[], None],
+                device: torch.device) -> StepLog:
+    """--train-iters optimizer steps; the algorithm syncs inside optimizer.step() every H steps.
+
+    fl_megatron also averages after the last step when --train-iters is not a multiple of H;
+    `final_sync` does that sync here. The timed span is Trainer.train's: from before the first
+    step to after the last step, its sync included. A step synced when the Manager committed
+    (its step count grew)."""
+    t = peer.run.cfg.training
+    accum, vocab, H = peer.run.accumulation, peer.run.cfg.model.vocab_size, peer.run.cfg.federation.sync_interval
+    log = StepLog()
+    log.start = time.perf_counter()
+    for step in range(t.train_iters):
+        total = torch.zeros((), device=device)
+        for micro in range(accum):
+            loss = lm_loss(backend, source.micro_batch(peer.global_rank, step, micro), vocab, device)
+            backend.backward(loss, accum, last=micro == accum - 1)
+            total += loss.detach()
+        committed = manager.current_step()
+        norm, lr = backend.optimizer_step(learning_rate(step, t))
+        done = step + 1
+        if done == t.train_iters and done % H:
+            final_sync()
+        log.losses.append(total / accum)
+        log.norms.append(norm.detach().float().reshape(()))
+        log.lrs.append(lr)
+        log.synced.append(manager.current_step() > committed)
+        log.ends.append(time.perf_counter())
+    log.wall = time.perf_counter() - log.start
+    return log
+
+
+@torch.no_grad()
+def local_eval_loss(peer: PeerRun, backend, valid, device: torch.device) -> torch.Tensor:
+    """Mean loss of this rank's held-out batches: the ones Trainer.evaluate gives the same global rank."""
+    t = peer.run.cfg.training
+    batches = eval_batches(valid, peer.global_rank, peer.world_size, t.micro_batch_size, t.eval_iters)
+    return torch.stack([lm_loss(backend, b, peer.run.cfg.model.vocab_size, device) for b in batches]).mean()

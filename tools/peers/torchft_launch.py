@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Launch the torchft peer: one lighthouse plus one torchrun job per replica group.
+
+`torchft_commands(...)` builds the commands (argv + environment); `run_torchft(...)` starts them,
+waits with a timeout and kills every process group it started on failure, timeout or Ctrl-C.
+Quick run on loopback:
+
+    python tools/peers/torchft_launch.py --groups 2 --ranks-per-group 2 -- \\
+        --model llama-tiny --mock-data --train-iters 20 --fl-sync-interval 4 --run-dir runs/torchft
+
+Per-group command prefixes (e.g. `ip netns exec node1`) put each group on its own emulated node;
+the variables a job needs are then also passed through `env` after the prefix, so that a prefix
+which resets the environment (sudo) cannot drop them.
+"""
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+WORKER = Path(__file__).resolve().parent / "torchft_train.py"
+LIGHTHOUSE_EXE = "torchft_lighthouse"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One process to start: argv and the variables to add to the launcher's environment."""
+
+    name: str
+    argv: list
+    env: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TorchftPlan:
+    lighthouse: Command
+    groups: list
+    lighthouse_addr: str      # host:port the groups reach the lighthouse at
+    run_dir: Path
+
+
+@dataclass
+class TorchftResult:
+    exit_codes: list          # one per replica group (None: killed before it exited)
+    run_dir: Path
+    logs: dict                # process name -> log file
+    seconds: float
+    failure: Optional[str] = None   # why the run was stopped (None: every group exited 0)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _flag_value(flags: Sequence[str], name: str) -> Optional[str]:
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag.split("=", 1)[1]
+    return None
+
+
+def _prefixed(prefix: Sequence[str], argv: list, env: dict) -> list:
+    """argv behind a prefix, with `env` repeated on the command line when there is a prefix."""
+    if not prefix:
+        return argv
+    return [*prefix, "env", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+
+def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequence[str], *,
+                     prefixes: Optional[Sequence[Sequence[str]]] = None,
+                     advertise_hosts: Optional[Sequence[str]] = None,
+                     lighthouse_addr: Optional[str] = None, lighthouse_bind: Optional[str] = None,
+                     lighthouse_prefix: Sequence[str] = (), master_ports: Optional[Sequence[int]] = None,
+                     python: str = sys.executable, join_timeout_ms: int = 10000,
+                     quorum_tick_ms: int = 100) -> TorchftPlan:
+    """The lighthouse command and one torchrun command per replica group.
+
+    prefixes / advertise_hosts / master_ports: one per group (default: no prefix, 127.0.0.1,
+    free loopback ports). lighthouse_addr: host:port the groups connect to (default 127.0.0.1 and
+    a free port); lighthouse_bind: what it listens on (default lighthouse_addr)."""
+    problems = []
+    if num_groups < 1 or ranks_per_group < 1:
+        problems.append(f"groups={num_groups} and ranks per group={ranks_per_group} must be at least 1")
+    for name, values in (("prefixes", prefixes), ("advertise_hosts", advertise_hosts),
+                         ("master_ports", master_ports)):
+        if values is not None and len(values) != num_groups:
+            problems.append(f"{name} has {len(values)} entries for {num_groups} replica groups")
+    for flag in ("--advertise-host", "--fl-num-groups", "--world-size"):
+        if _flag_value(worker_flags, flag) is not None or flag in worker_flags:
+            problems.append(f"{flag} is set by the launcher; drop it from the worker flags")
+    if problems:
+        raise ValueError("; ".join(problems))
+    prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in range(num_groups)]
+    hosts = list(advertise_hosts) if advertise_hosts is not None else ["127.0.0.1"] * num_groups
+    ports = list(master_ports) if master_ports is not None else [free_port() for _ in range(num_groups)]
+    lighthouse_addr = lighthouse_addr or f"127.0.0.1:{free_port()}"
+    lighthouse_env = {"RUST_LOG": "warn"}
+    lighthouse_argv = [str(Path(python).parent / LIGHTHOUSE_EXE), "--bind", lighthouse_bind or lighthouse_addr,
+                       "--min_replicas", str(num_groups), "--quorum_tick_ms", str(quorum_tick_ms),
+                       "--join_timeout_ms", str(join_timeout_ms)]
+    lighthouse = Command("lighthouse", _prefixed(lighthouse_prefix, lighthouse_argv, lighthouse_env), lighthouse_env)
+    groups = []
+    for g in range(num_groups):
+        env = {"TORCHFT_LIGHTHOUSE": f"http://{lighthouse_addr}", "REPLICA_GROUP_ID": str(g),
+               "NUM_REPLICA_GROUPS": str(num_groups), "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+        argv = [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks_per_group),
+                "--master-addr", hosts[g], "--master-port", str(ports[g]), str(WORKER),
+                *worker_flags, "--advertise-host", hosts[g]]
+        groups.append(Command(f"group{g}", _prefixed(prefixes[g], argv, env), env))
+    run_dir = Path(_flag_value(worker_flags, "--run-dir") or "runs/latest")
+    return TorchftPlan(lighthouse, groups, lighthouse_addr, run_dir)
+
+
+def _start(command: Command, log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log = log_dir / f"{command.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command.argv, env={**os.environ, **command.env}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _kill(procs: list) -> None:
+    """SIGTERM each still running process group, then SIGKILL whatever is left after 5 s."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _wait_listening(addr: str, proc: subprocess.Popen, timeout: float) -> None:
+    host, port = addr.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the lighthouse exited with code {proc.returncode}")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the lighthouse did not listen on {addr} within {timeout:.0f} s")
+
+
+def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Path] = None,
+                wait_lighthouse: Optional[bool] = None) -> TorchftResult:
+    """Start the lighthouse and every group; wait for the groups (at most `timeout` s); stop
+    the lighthouse. Logs go to log_dir (default RUN_DIR/torchft_logs). The lighthouse is probed
+    for readiness unless it runs behind a prefix (another namespace) or wait_lighthouse=False."""
+    log_dir = Path(log_dir or plan.run_dir / "torchft_logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if wait_lighthouse is None:
+        wait_lighthouse = plan.lighthouse.argv[0].endswith(LIGHTHOUSE_EXE)
+    started, logs, codes, failure = [], {}, [None] * len(plan.groups), None
+    begin = time.monotonic()
+    try:
+        lighthouse, logs["lighthouse"] = _start(plan.lighthouse, log_dir)
+        started.append(lighthouse)
+        if wait_lighthouse:
+            _wait_listening(plan.lighthouse_addr, lighthouse, 30.0)
+        groups = []
+        for command in plan.groups:
+            proc, logs[command.name] = _start(command, log_dir)
+            started.append(proc)
+            groups.append(proc)
+        while failure is None:
+            codes = [p.poll() for p in groups]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                failure = "; ".join(f"group {i} exited with code {c}" for i, c in failed)
+            elif all(c == 0 for c in codes):
+                break
+            elif lighthouse.poll() is not None:
+                failure = f"the lighthouse exited with code {lighthouse.returncode}"
+            elif time.monotonic() - begin > timeout:
+                failure = f"timed out after {timeout:.0f} s"
+            else:
+                time.sleep(0.1)
+    except BaseException as e:
+        failure = failure or f"launcher stopped: {e!r}"
+        _kill(started)
+        raise
+    finally:
+        _kill(started)  # the lighthouse always, and any group still running
+    return TorchftResult([p.returncode for p in groups] if failure else codes, plan.run_dir, logs,
+                         time.monotonic() - begin, failure)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [options] -- WORKER_FLAGS")
+    parser.add_argument("--groups", type=int, default=2, help="replica groups F")
+    parser.add_argument("--ranks-per-group", type=int, default=1, help="ranks G of each torchrun job")
+    parser.add_argument("--prefix", action="append", metavar="CMD",
+                        help="command prefix of one group, e.g. 'ip netns exec node1' (once per group)")
+    parser.add_argument("--advertise-host", action="append", metavar="IP", help="address of one group (once per group)")
+    parser.add_argument("--lighthouse", metavar="HOST:PORT", help="lighthouse address (default 127.0.0.1:free port)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before everything is killed")
+    parser.add_argument("--print-only", action="store_true", help="print the commands, start nothing")
+    args, rest = parser.parse_known_args(argv)
+    worker_flags = rest[1:] if rest[:1] == ["--"] else rest
+    prefixes = [shlex.split(p) for p in args.prefix] if args.prefix else None
+    try:
+        plan = torchft_commands(args.groups, args.ranks_per_group, worker_flags, prefixes=prefixes,
+                                advertise_hosts=args.advertise_host, lighthouse_addr=args.lighthouse)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.print_only:
+        for command in (plan.lighthouse, *plan.groups):
+            print(" ".join(f"{k}={v}" for k, v in command.env.items()), shlex.join(command.argv))
+        return 0
+    result = run_torchft(plan, args.timeout)
+    print(f"{'ok' if result.ok else 'FAILED: ' + result.failure}: exit codes {result.exit_codes} in "
+          f"{result.seconds:.1f} s; run dir {result.run_dir}; logs {', '.join(map(str, result.logs.values()))}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
