@@ -40,8 +40,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rate-mbit", type=float, default=100.0, help="link rate between nodes (0: unshaped)")
     p.add_argument("--sync-interval", type=int, default=8, help="H of the federated rows")
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--warmup", type=int, default=1, help="steps left out of the timed span of every row")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, help="steps left out of the timed span of every row (default: H, "
+                                              "so that first-step set-up and the first sync are outside it)")
+    p.add_argument("--repeats", type=int, default=1, help="run the rows this many times, interleaved; the "
+                                                          "table shows the median repeat and the range")
     p.add_argument("--rows", nargs="+", help="row keys (default: every row the cluster shape allows)")
     p.add_argument("--out", default="runs/bench-cluster")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per row")
@@ -49,18 +52,22 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO / "examples" / "demo.json"), help="model and training config")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then pretrain flags for every row")
     args = p.parse_args(argv)
+    args.warmup = args.sync_interval if args.warmup is None else args.warmup
     problems = [f"--{k.replace('_', '-')} must be at least {low}" for k, low in
-                (("nodes", 1), ("ranks_per_node", 1), ("steps", 2), ("sync_interval", 1)) if getattr(args, k) < low]
-    if not 0 <= args.warmup < args.steps:
-        problems.append(f"--warmup {args.warmup} must be in [0, --steps)")
+                (("nodes", 1), ("ranks_per_node", 1), ("steps", 2), ("sync_interval", 1), ("repeats", 1)) if getattr(args, k) < low]
+    if not 0 <= args.warmup < args.steps or args.warmup % args.sync_interval:
+        problems.append(f"--warmup {args.warmup} must be a multiple of H={args.sync_interval} (rows log every H "
+                        f"steps) below --steps {args.steps}")
     if problems:
         p.error("; ".join(problems))
     return args
 
 
 def common_flags(args, steps: int | None = None) -> list[str]:
+    """Flags of every row. Rows log every H steps: a logged step all-reduces its loss over all ranks,
+    which would tie the groups together every step; the torchft peer reduces nothing inside its loop."""
     return ["--config", args.config, "--train-iters", str(steps or args.steps), "--lr-warmup-iters", "2",
-            "--eval-interval", "0", "--eval-iters", "2", "--log-interval", "1",
+            "--eval-interval", "0", "--eval-iters", "2", "--log-interval", str(args.sync_interval),
             *[a for a in args.extra if a != "--"]]
 
 
@@ -96,7 +103,8 @@ def run_row(cluster, args, row: Row, run_dir: Path, steps: int) -> list | None:
 
 def calibrate(cluster, args, backend: str, out: Path) -> float:
     """Median step time of groups of one node that never average: compute plus on-node collectives."""
-    row = Row(f"calibrate-{backend}", "calibration", args.ranks_per_node, backend=backend)
+    row = Row(f"calibrate-{backend}", "calibration", args.ranks_per_node, backend=backend,
+              extra=("--log-interval", "1"))  # every step's time, whatever the rows log
     run_dir = out / row.key
     run_row(cluster, args, row, run_dir, CALIBRATION_STEPS)
     return compute_seconds(run_dir, warmup=2)
@@ -114,7 +122,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rate = args.rate_mbit or None
-    results, compute = [], {}
+    compute = {}
     with EmulatedCluster(args.nodes, rate, mode=args.mode) as cluster:
         if cluster.note:
             print(f"NOTE: {cluster.note}", flush=True)
@@ -123,23 +131,15 @@ def main(argv=None) -> int:
         for backend in sorted({r.backend for r in rows}):
             compute[backend] = calibrate(cluster, args, backend, out)
             print(f"  calibrated compute per step ({backend}): {compute[backend]:.3f} s", flush=True)
-        for row in rows:
-            run_dir = out / row.key
-            counters = run_row(cluster, args, row, run_dir, args.steps)
-            pred = predict_row(row, common_flags(args), args.nodes, args.ranks_per_node, rate,
-                               compute[row.backend], args.steps, args.warmup)
-            got = measured(run_dir, args.warmup, pred["tokens_per_step"])
-            _check_layout(row, got.get("layout"), args.nodes * args.ranks_per_node)
-            wire = sum(c.wire_tx_bytes for c in counters) if counters else None
-            results.append({"row": {**row.__dict__, "extra": list(row.extra)}, "run_dir": str(run_dir),
-                            "measured": got, "predicted": pred, "inter_node_wire_bytes": wire,
-                            "counters": [c.as_dict() for c in counters] if counters else None})
-            print(f"  {row.label:<36} {got['tokens_per_s']:>8,.0f} tok/s (predicted {pred['tokens_per_s']:,.0f}), "
-                  f"{got['step_seconds']:.3f} s/step (predicted {pred['step_seconds']:.3f}), inter-node "
-                  + (f"{wire / 1e6:.1f} MB" if wire is not None else "n/a")
-                  + f" (predicted {pred['inter_node_bytes'] / 1e6:.1f} MB)", flush=True)
+        runs: dict = {row.key: [] for row in rows}
+        for repeat in range(args.repeats):
+            for row in rows:
+                run_dir = out / row.key / (f"repeat{repeat + 1}" if args.repeats > 1 else "")
+                runs[row.key].append(_measure_row(cluster, args, row, run_dir, rate, compute[row.backend]))
+        results = [_median_run(runs[row.key]) for row in rows]
         setup = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "rate_mbit": rate,
                  "sync_interval": args.sync_interval, "steps": args.steps, "warmup": args.warmup,
+                 "repeats": args.repeats,
                  "cluster_mode": cluster.mode, "note": cluster.note, "compute_seconds": compute,
                  "command": shlex.join([Path(sys.argv[0]).name if argv is None else "bench_cluster.py",
                                         *(sys.argv[1:] if argv is None else argv)])}
@@ -147,6 +147,31 @@ def main(argv=None) -> int:
     print("\n" + table + f"\nwrote {json_path} and {md_path}")
     _plots(out, results)
     return 0
+
+
+def _measure_row(cluster, args, row: Row, run_dir: Path, rate, compute_s: float) -> dict:
+    """Run one row once; what it measured beside what the cost model predicts."""
+    counters = run_row(cluster, args, row, run_dir, args.steps)
+    pred = predict_row(row, common_flags(args), args.nodes, args.ranks_per_node, rate, compute_s, args.steps,
+                       args.warmup)
+    got = measured(run_dir, args.warmup, pred["tokens_per_step"])
+    _check_layout(row, got.get("layout"), args.nodes * args.ranks_per_node)
+    wire = sum(c.wire_tx_bytes for c in counters) if counters else None
+    print(f"  {row.label:<36} {got['tokens_per_s']:>8,.0f} tok/s (predicted {pred['tokens_per_s']:,.0f}), "
+          f"{got['step_seconds']:.3f} s/step (predicted {pred['step_seconds']:.3f}), inter-node "
+          + (f"{wire / 1e6:.1f} MB" if wire is not None else "n/a")
+          + f" (predicted {pred['inter_node_bytes'] / 1e6:.1f} MB)", flush=True)
+    return {"row": {**row.__dict__, "extra": list(row.extra)}, "run_dir": str(run_dir), "measured": got,
+            "predicted": pred, "inter_node_wire_bytes": wire,
+            "counters": [c.as_dict() for c in counters] if counters else None}
+
+
+def _median_run(repeats: list[dict]) -> dict:
+    """The repeat with the median tokens/s (the lower middle of an even count), with every repeat's tokens/s."""
+    ordered = sorted(repeats, key=lambda r: r["measured"]["tokens_per_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["tokens_per_s_repeats"] = [r["measured"]["tokens_per_s"] for r in repeats]
+    return chosen
 
 
 def _check_layout(row: Row, layout: dict | None, world: int) -> None:

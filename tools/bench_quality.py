@@ -26,18 +26,21 @@ REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "FSDP": (4, ["--fl-group-size", "4"]),
     "FL+FSDP": (4, ["--fl-group-size", "2"]),
-    "HSDP": (8, ["--ranks-per-node", "2", "--fl-group-size", "8", "--fl-hsdp-shard-size", "2"]),
-    "FL+HSDP": (8, ["--ranks-per-node", "2", "--fl-group-size", "4", "--fl-hsdp-shard-size", "2"]),
+    "HSDP": (8, ["--fl-group-size", "8", "--fl-hsdp-shard-size", "2"]),
+    "FL+HSDP": (8, ["--fl-group-size", "4", "--fl-hsdp-shard-size", "2"]),
 }
 # what summary.json must report for each: (federation groups, replicas per group)
 EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2)}
 PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP")}
 
 
-def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float) -> dict:
-    """One training run; returns its summary.json (raises with the log tail on failure)."""
+def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float, reuse: bool = False) -> dict:
+    """One training run (or, with `reuse`, the finished run already in its directory); returns what
+    its summary.json says (raises with the log tail on failure)."""
     ranks, flags = LAYOUTS[name]
     run_dir = out / f"{name.replace('+', '_')}-seed{seed}"
+    if reuse and (run_dir / "summary.json").exists():
+        return _result(name, seed, run_dir, "reused")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "-m", "fl_megatron.pretrain", "--config", str(REPO / "examples" / "demo.json"), *flags,
            "--seed", str(seed), "--run-dir", str(run_dir), *extra]
@@ -45,13 +48,18 @@ def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float) -
     proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+        raise RuntimeError(f"{name} seed {seed} failed ({proc.returncode}): {errors[:1] or proc.stderr[-3000:]}")
+    return _result(name, seed, run_dir, f"{time.perf_counter() - start:.0f} s")
+
+
+def _result(name: str, seed: int, run_dir: Path, how: str) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     got = (summary["layout"]["num_groups"], summary["layout"]["replicas"])
     if got != EXPECTED[name]:
-        raise RuntimeError(f"{name} ran {got[0]} groups of {got[1]} replicas, expected {EXPECTED[name]}")
+        raise RuntimeError(f"{run_dir}: {name} ran {got[0]} groups of {got[1]} replicas, expected {EXPECTED[name]}")
     print(f"  {name:<8} seed {seed}: eval loss {summary['eval_loss']:.4f}, perplexity {summary['eval_perplexity']:.2f}, "
-          f"{summary['tokens']:,} tokens ({time.perf_counter() - start:.0f} s)", flush=True)
+          f"{summary['tokens']:,} tokens ({how})", flush=True)
     return {"layout": name, "seed": seed, "run_dir": str(run_dir), "eval_loss": summary["eval_loss"],
             "eval_perplexity": summary["eval_perplexity"], "tokens": summary["tokens"]}
 
@@ -75,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=sorted(PAIRS))
     parser.add_argument("--out", default="runs/quality")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --out instead of rerunning them")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="-- then flags passed to every run")
     args = parser.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
@@ -84,7 +93,7 @@ def main(argv=None) -> int:
     for pair in args.pairs:
         for name in PAIRS[pair]:
             for seed in args.seeds:
-                results.append(run_one(name, seed, out, extra, args.timeout))
+                results.append(run_one(name, seed, out, extra, args.timeout, args.reuse))
     table = {name: stats([r["eval_perplexity"] for r in results if r["layout"] == name])
              for pair in args.pairs for name in PAIRS[pair]}
     for pair in args.pairs:

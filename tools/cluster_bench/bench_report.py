@@ -18,6 +18,7 @@ def table_rows(results: list[dict], baseline_key: str = "fsdp") -> list[dict]:
         m, p = r["measured"], r["predicted"]
         out.append({
             "row": r["row"]["label"], "key": r["row"]["key"], "tokens_per_s": m["tokens_per_s"],
+            "tokens_per_s_repeats": r.get("tokens_per_s_repeats", [m["tokens_per_s"]]),
             "x_baseline": m["tokens_per_s"] / base["measured"]["tokens_per_s"] if base else None,
             "predicted_tokens_per_s": p["tokens_per_s"],
             "inter_node_mb": r["inter_node_wire_bytes"] / MB if r["inter_node_wire_bytes"] is not None else None,
@@ -30,7 +31,7 @@ def table_rows(results: list[dict], baseline_key: str = "fsdp") -> list[dict]:
 
 
 def markdown(rows: list[dict], baseline_label: str) -> str:
-    head = ("| row | tokens/s | x " + baseline_label + " | predicted tokens/s | inter-node MB (counters) | predicted MB "
+    head = ("| row | tokens/s (range of repeats) | x " + baseline_label + " | predicted tokens/s | inter-node MB (counters) | predicted MB "
             "| err | s/step | predicted s/step | err | inter-group payload MB | eval loss | peak MiB/rank |")
     lines = [head, "|" + " --- |" * 13]
     for r in rows:
@@ -38,8 +39,10 @@ def markdown(rows: list[dict], baseline_label: str) -> str:
         payload = f"{r['inter_group_payload_mb']:.1f}" if r["inter_group_payload_mb"] is not None else "-"
         ratio = f"{r['x_baseline']:.2f}" if r["x_baseline"] is not None else "-"
         loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "-"
+        runs = r.get("tokens_per_s_repeats") or [r["tokens_per_s"]]
+        spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
         lines.append(
-            f"| {r['row']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['predicted_tokens_per_s']:,.0f} | {mb} | "
+            f"| {r['row']} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {r['predicted_tokens_per_s']:,.0f} | {mb} | "
             f"{r['predicted_inter_node_mb']:.1f} | {_err(r['inter_node_mb'], r['predicted_inter_node_mb'])} | "
             f"{r['step_s']:.3f} | {r['predicted_step_s']:.3f} | {_err(r['step_s'], r['predicted_step_s'])} | "
             f"{payload} | {loss} | {r['peak_mib_per_rank']:.0f} |")
@@ -58,7 +61,7 @@ def write_outputs(out: Path, setup: dict, results: list[dict]) -> tuple[Path, Pa
              f"command: `{setup['command']}`", "", f"cluster: {setup['cluster_mode']}"
              + (f" ({setup['note']})" if setup.get("note") else ""),
              f"timed span: steps {setup['warmup'] + 1}-{setup['steps']} of every row "
-             f"(H = {setup['sync_interval']}); compute per step (calibrated): "
+             f"(H = {setup['sync_interval']}, {setup.get('repeats', 1)} repeat(s), median shown); compute per step (calibrated): "
              + ", ".join(f"{k} {v:.3f} s" for k, v in setup["compute_seconds"].items()), "", table]
     md_path.write_text("\n".join(lines))
     return json_path, md_path, table
