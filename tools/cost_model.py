@@ -53,8 +53,8 @@ def published(seq_length: int) -> tuple[str, dict]:
                  f"(assumed {work.compute_seconds:.3f} s)" if c["value"] else
                  f"  - no compute time: with zero compute the model gives {c['limit']:.2f}x")
     lines.append(f"  - an inter-node latency of {lat['value']:.1f} us per ring step (assumed "
-                 f"{cluster.inter_node_latency_us:g} us; FSDP over 512 ranks pays it 2 x 511 times per "
-                 "collective and module)" if lat["value"] else
+                 f"{cluster.inter_node_latency_us:g} us; FSDP over 512 ranks pays it 511 or 2 x 511 times "
+                 "per collective, per module)" if lat["value"] else
                  f"  - no inter-node latency: even at 1 s per ring step the model gives {lat['limit']:.2f}x")
     fp32 = implied_values(replace(work, param_bytes=4), cluster)
     bw32 = fp32["inter_node_gbps"]

@@ -9,6 +9,7 @@ in parallel at the intra-node rate. Latency is paid once per ring step and per c
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..config.cluster import ClusterConfig
 from ..costs import _GROUPS, Collective, ring_volume
@@ -51,6 +52,13 @@ def wire_op(op: str, library: str) -> str:
 def ring_edges(layout: Layout, group: str) -> tuple[Counter, bool]:
     """(inter-node ring edges leaving each node, summed over all groups of this kind; whether any
     ring edge stays inside a node). Rings follow each group's rank order."""
+    leaving, local = _ring_edges(layout, group)
+    return Counter(leaving), local
+
+
+@lru_cache(maxsize=256)
+def _ring_edges(layout: Layout, group: str) -> tuple[dict, bool]:
+    """ring_edges, computed once per layout and group kind (a 512-rank layout has 512 edges per kind)."""
     leaving: Counter = Counter()
     local = False
     for ranks in _GROUPS[group](layout):
@@ -61,7 +69,7 @@ def ring_edges(layout: Layout, group: str) -> tuple[Counter, bool]:
                 leaving[node_of(layout, a)] += 1
             else:
                 local = True
-    return leaving, local
+    return dict(leaving), local
 
 
 def collective_time(c: Collective, layout: Layout, cluster: Cluster) -> CollectiveTime:

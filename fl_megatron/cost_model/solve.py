@@ -5,7 +5,7 @@ from typing import Callable, Optional
 
 
 def solve_monotone(f: Callable[[float], float], target: float, low: float, high: float,
-                   iterations: int = 200) -> Optional[float]:
+                   iterations: int = 64) -> Optional[float]:
     """x in [low, high] (both > 0) with f(x) = target for a monotone f, by bisection on log x;
     None when the target lies outside [f(low), f(high)]."""
     f_low, f_high = f(low), f(high)
