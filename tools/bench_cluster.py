@@ -111,6 +111,14 @@ def calibrate(cluster, args, backend: str, out: Path) -> float:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except RuntimeError as e:  # a row failed: its logs are named; the cluster is already torn down
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv=None) -> int:
     args = parse(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +130,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rate = args.rate_mbit or None
+    for row in rows:  # every row's configuration is valid before anything starts
+        try:
+            predict_row(row, common_flags(args), args.nodes, args.ranks_per_node, rate, 0.0, args.steps, args.warmup)
+        except ValueError as e:
+            print(f"error: row {row.key}: {e}", file=sys.stderr)
+            return 2
     compute = {}
     with EmulatedCluster(args.nodes, rate, mode=args.mode) as cluster:
         if cluster.note:
