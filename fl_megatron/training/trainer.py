@@ -7,20 +7,19 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..backends import make_backend
 from ..checkpoint import Checkpointer, initial_values_for
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
-from ..data import BatchSource, eval_batches
-from ..data.sources import run_samples
+from ..data import eval_batches
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
+from .run_data import next_token_loss, open_run_data
 from .run_files import RunFiles
 from .stopping import StopPolicy
 
@@ -83,34 +82,12 @@ class Trainer:
         say("\n".join(lines))
 
     def _load_data(self, samples=None):
-        """Train and valid samples (`samples`, if the caller already opened them). Rank 0
-        prepares data and index caches first, the others then open what it built (files are
-        written atomically, so a crash leaves no half file)."""
-        d, t = self.cfg.data, self.cfg.training
-
-        def build():
-            return run_samples(d, t.seq_length, t.seed, self.cfg.model.vocab_size, bool(t.eval_iters))
-
-        if self.is_writer:
-            train, valid = samples or build()
-            train.prepare_for(t.train_iters * self.accum * t.micro_batch_size * self.env.world_size)
-            if valid is not None:
-                valid.prepare_for(t.eval_iters * t.micro_batch_size * self.env.world_size)
-        dist.barrier()
-        if not self.is_writer:
-            train, valid = samples or build()
-        source = BatchSource(train, None, self.env.world_size, t.micro_batch_size, self.accum)
-        return source, valid
+        """Train batches and valid samples; rank 0 prepares the caches (see open_run_data)."""
+        return open_run_data(self.run, self.env.world_size, self.is_writer, samples)
 
     # --- one step -------------------------------------------------------------------------
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        low, high = torch.aminmax(batch)
-        if int(high) >= self.cfg.model.vocab_size or int(low) < 0:
-            raise ValueError(f"the data holds token id {int(high)} but the model's vocab_size is "
-                             f"{self.cfg.model.vocab_size}: the data was tokenised with a larger vocabulary")
-        batch = batch.to(self.device, non_blocking=True)
-        logits = self.backend.forward(batch[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return next_token_loss(self.backend, batch, self.cfg.model.vocab_size, self.device)
 
     def _train_step(self, step: int, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Forward/backward over the micro-batches, clip, optimizer step.

@@ -6,44 +6,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from fl_megatron.data import BatchSource, eval_batches
-from fl_megatron.data.sources import run_samples
+from fl_megatron.training.run_data import next_token_loss, open_run_data
 from fl_megatron.training.lr_schedule import learning_rate
 
 from peer_config import PeerRun
 
 
 def load_data(peer: PeerRun):
-    """(train BatchSource over the whole federated world, valid samples or None), as Trainer._load_data:
-    rank 0 of each replica group prepares the data and index caches, its group then opens them."""
-    cfg = peer.run.cfg
-    d, t = cfg.data, cfg.training
-
-    def build():
-        return run_samples(d, t.seq_length, t.seed, cfg.model.vocab_size, bool(t.eval_iters))
-
-    if peer.group_rank == 0:
-        train, valid = build()
-        train.prepare_for(t.train_iters * peer.run.accumulation * t.micro_batch_size * peer.world_size)
-        if valid is not None:
-            valid.prepare_for(t.eval_iters * t.micro_batch_size * peer.world_size)
-    dist.barrier()
-    if peer.group_rank != 0:
-        train, valid = build()
-    return BatchSource(train, None, peer.world_size, t.micro_batch_size, peer.run.accumulation), valid
-
-
-def lm_loss(backend, batch: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Next-token cross entropy of one micro-batch (what Trainer._loss computes)."""
-    low, high = torch.aminmax(batch)
-    if int(high) >= vocab_size or int(low) < 0:
-        raise ValueError(f"the data holds token id {int(high)} but the model's vocab_size is {vocab_size}")
-    batch = batch.to(device, non_blocking=True)
-    logits = backend.forward(batch[:, :-1])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    """(train BatchSource over the whole federated world, valid samples or None), as the Trainer opens
+    them: rank 0 of each replica group prepares the caches, its group then opens them."""
+    return open_run_data(peer.run, peer.world_size, peer.group_rank == 0)
 
 
 @dataclass
@@ -75,7 +49,7 @@ def train_steps(peer: PeerRun, backend, source: BatchSource, manager, final_sync
     for step in range(t.train_iters):
         total = torch.zeros((), device=device)
         for micro in range(accum):
-            loss = lm_loss(backend, source.micro_batch(peer.global_rank, step, micro), vocab, device)
+            loss = next_token_loss(backend, source.micro_batch(peer.global_rank, step, micro), vocab, device)
             backend.backward(loss, accum, last=micro == accum - 1)
             total += loss.detach()
         committed = manager.current_step()
@@ -97,4 +71,4 @@ def local_eval_loss(peer: PeerRun, backend, valid, device: torch.device) -> torc
     """Mean loss of this rank's held-out batches: the ones Trainer.evaluate gives the same global rank."""
     t = peer.run.cfg.training
     batches = eval_batches(valid, peer.global_rank, peer.world_size, t.micro_batch_size, t.eval_iters)
-    return torch.stack([lm_loss(backend, b, peer.run.cfg.model.vocab_size, device) for b in batches]).mean()
+    return torch.stack([next_token_loss(backend, b, peer.run.cfg.model.vocab_size, device) for b in batches]).mean()
