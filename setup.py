@@ -24,6 +24,9 @@ setup(
     extras_require={
         # the DeepSpeed backend reads ZeRO-3's partitions: 0.19.8 is the version it is tested with
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        # --backend megatron and the Megatron-LM integration reach into the distributed optimizer's
+        # shards: 0.16.1 (the release for Python 3.11 and Megatron-LM core_v0.16.1) is tested
+        "megatron": ["megatron-core==0.16.1"],
         # Hugging Face tokenizer.json files for tools/preprocess_data.py (--tokenizer-type HuggingFaceTokenizer)
         "data": ["tokenizers>=0.19"],
         # --tensorboard-dir writes TensorBoard event files; --wandb-project logs to Weights & Biases

@@ -111,7 +111,7 @@ def _check_params(num_params: int) -> None:
 
 def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
               grad_bytes: int = 4, micro_batches: int = 1, regathered_params: Optional[int] = None,
-              units: int = 1) -> CommBreakdown:
+              units: int = 1, gathered_once: bool = False) -> CommBreakdown:
     """Per-rank traffic of one optimizer step of `micro_batches` forward/backward passes.
 
     The parameter all-gathers repeat for every micro-batch; gradients are reduced once.
@@ -122,6 +122,8 @@ def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
     `regathered_params` is how many parameters the backward pass gathers again (default all;
     FSDP2 keeps the root module's gathered from forward to backward, DeepSpeed keeps up to
     stage3_max_live_parameters); `units` is the number of separately gathered modules.
+    `gathered_once`: every rank keeps the whole model and all-gathers the updated parameters once
+    per step (megatron-core's distributed optimizer), whatever the micro-batches.
     """
     _check_params(num_params)
     s, p = layout.shard_size, layout.replicas
@@ -130,8 +132,11 @@ def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
     backward = num_params if regathered_params is None else regathered_params
     if not 0 <= backward <= num_params:
         raise ValueError(f"regathered_params={regathered_params} must be between 0 and num_params={num_params}")
+    gathers = micro_batches
+    if gathered_once:
+        gathers, backward = 1, 0
     entries = (_collective(layout, "all_gather_forward", "all_gather", "shard", s,
-                           micro_batches * num_params, param_bytes, units)
+                           gathers * num_params, param_bytes, units)
                + _collective(layout, "all_gather_backward", "all_gather", "shard", s,
                              micro_batches * backward, param_bytes, units)
                + _collective(layout, "reduce_scatter_grads", "reduce_scatter", "shard", s,
@@ -166,7 +171,8 @@ def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
 
 def average_per_step(layout: Layout, num_params: int, sync_interval: int,
                      param_bytes: int = 2, grad_bytes: int = 4, master_bytes: int = 4,
-                     replica_split: bool = True, micro_batches: int = 1) -> Dict[str, float]:
+                     replica_split: bool = True, micro_batches: int = 1,
+                     gathered_once: bool = False) -> Dict[str, float]:
     """Per-rank bytes per optimizer step, the sync amortised over sync_interval (H) steps.
 
     H = 0 means no federation sync. Keys: "total", the tiers ("intra-node",
@@ -174,7 +180,7 @@ def average_per_step(layout: Layout, num_params: int, sync_interval: int,
     """
     if sync_interval < 0:
         raise ValueError(f"sync_interval={sync_interval} must be >= 0 (0: no sync)")
-    step = step_comm(layout, num_params, param_bytes, grad_bytes, micro_batches)
+    step = step_comm(layout, num_params, param_bytes, grad_bytes, micro_batches, gathered_once=gathered_once)
     sync = (sync_comm(layout, num_params, master_bytes, replica_split) if sync_interval
             else CommBreakdown())
     weight = 1 / sync_interval if sync_interval else 0.0
@@ -195,7 +201,7 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              optimizer: str = "adamw",
                              largest_layer_params: Optional[int] = None,
                              flash_attention: bool = True,
-                             recompute: bool = False) -> Dict[str, float]:
+                             recompute: bool = False, replicated_params: bool = False) -> Dict[str, float]:
     """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
 
     Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
@@ -207,6 +213,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
     `recompute` (full activation recomputation per block) only each block's input is kept,
     2*seq*micro*h bytes per layer, plus one block's full activations during its backward; plus
     fp32 logits and their gradient (seq*micro*vocab*4*2).
+    `replicated_params` (megatron-core's distributed optimizer): every rank holds the whole model
+    in its dtype and a whole fp32 gradient buffer; fp32 main shards exist only beside bf16 params.
     Keys: master_params, gradients, optimizer_states, working_params, activations,
     logits, total.
     """
@@ -232,6 +240,9 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
             else per_layer * num_layers),
         "logits": seq_length * micro_batch_size * vocab_size * 4 * 2,
     }
+    if replicated_params:
+        parts.update(master_params=4 * num_params / s if bf16 else 0.0, gradients=4.0 * num_params,
+                     working_params=float(num_params * param_bytes))
     parts["total"] = sum(parts.values())
     return parts
 

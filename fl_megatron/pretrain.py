@@ -47,8 +47,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .training.dry_run import dry_run_report
         print(dry_run_report(run))
         return 0
+    from .backends import check_backend_package
     from .training.dashboards import check_dashboard_packages
     try:
+        check_backend_package(cfg.parallel.backend)
         check_dashboard_packages(cfg.training)
         _check_sources(run)
         samples = _open_data(run)

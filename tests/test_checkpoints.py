@@ -1,4 +1,4 @@
-"""Checkpoints through the command line: exact resume on both backends, a kill while writing,
+"""Checkpoints through the command line: exact resume on every backend, a kill while writing,
 SIGTERM, resharding, and the errors a wrong checkpoint gets.
 
 The reference is always the same run uninterrupted: per-step losses and the final parameters
@@ -72,6 +72,11 @@ def test_fsdp2_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
 @NEEDS_DEEPSPEED
 def test_deepspeed_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "deepspeed")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_megatron_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
+    _exact_resume(tmp_path, "megatron")
 
 
 def _worker_pids(parent: int) -> list[int]:

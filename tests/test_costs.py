@@ -22,6 +22,23 @@ def test_fsdp_step_closed_form():
     assert sync_comm(layout, PSI).entries == ()
 
 
+def test_megatron_distributed_optimizer_gathers_once_per_step():
+    """megatron-core keeps the whole model on every rank: one bf16 all-gather per step whatever
+    the micro-batches, no backward gather, and a whole fp32 gradient buffer in memory."""
+    layout = make_layout(512, ranks_per_node=8, group_size=8)
+    step = step_comm(layout, PSI, param_bytes=2, grad_bytes=4, micro_batches=4, gathered_once=True)
+    assert {c.name for c in step.entries} == {"all_gather_forward", "reduce_scatter_grads"}
+    assert step.total_bytes == pytest.approx(PSI * 7 / 8 * (2 + 4))
+    fsdp = step_comm(layout, PSI, param_bytes=2, grad_bytes=4, micro_batches=4)
+    assert fsdp.total_bytes == pytest.approx(PSI * 7 / 8 * (4 * 2 + 4 * 2 + 4))
+    args = (layout, PSI, 32, 4096, 2048, 1, 128256, 32)
+    sharded, whole = estimate_memory_per_rank(*args), estimate_memory_per_rank(*args, replicated_params=True)
+    assert whole["gradients"] == 4 * PSI and whole["working_params"] == 2 * PSI
+    assert whole["master_params"] == sharded["master_params"] == 4 * PSI / 8
+    assert whole["optimizer_states"] == sharded["optimizer_states"]
+    assert estimate_memory_per_rank(*args, bf16=False, replicated_params=True)["master_params"] == 0
+
+
 def test_hsdp_step_closed_form():
     layout = make_layout(512, ranks_per_node=4, shard_size=4)  # P = 128
     step = step_comm(layout, PSI)

@@ -2,9 +2,11 @@
 
 Only modules here import framework-specific sharding code. Every backend follows
 `fl_megatron.federation.contract.TrainingBackend` and is built the same way:
-`Backend(run, groups, device, initial)`. DeepSpeed is imported only when its backend is used
-(it is an optional dependency).
+`Backend(run, groups, device, initial)`. DeepSpeed and megatron-core are imported only when their
+backend is used (they are optional dependencies).
 """
+
+import importlib.util
 
 import torch
 
@@ -16,6 +18,22 @@ from .common import InitialValues, SeededValues
 from .fsdp2 import FSDP2Backend
 
 
+# backend -> (module it needs, pip extra that installs it)
+_PACKAGES = {"deepspeed": ("deepspeed", "deepspeed"), "megatron": ("megatron.core", "megatron")}
+
+
+def check_backend_package(backend: str) -> None:
+    """ValueError naming the pip extra when the backend's framework is not installed (cheap: no
+    import), so the entry point can say it before any process group exists."""
+    if backend not in _PACKAGES:
+        return
+    module, extra = _PACKAGES[backend]
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None or importlib.util.find_spec(module) is None:
+        raise ValueError(f"--backend {backend} needs {module}, which is not installed: "
+                         f"pip install -e \".[{extra}]\"")
+
+
 def make_backend(run: ResolvedRun, groups: ProcessGroups, device: torch.device,
                  initial: InitialValues | None = None) -> TrainingBackend:
     """The backend `run.cfg.parallel.backend`, with its optimizer, its shards starting from
@@ -25,6 +43,8 @@ def make_backend(run: ResolvedRun, groups: ProcessGroups, device: torch.device,
         cls = FSDP2Backend
     elif name == "deepspeed":
         from .deepspeed_zero3 import DeepSpeedBackend as cls
+    elif name == "megatron":
+        from .megatron_core import MegatronBackend as cls
     else:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
     if initial is None:
@@ -32,4 +52,4 @@ def make_backend(run: ResolvedRun, groups: ProcessGroups, device: torch.device,
     return cls(run, groups, device, initial)
 
 
-__all__ = ["BACKENDS", "FSDP2Backend", "InitialValues", "SeededValues", "make_backend"]
+__all__ = ["BACKENDS", "FSDP2Backend", "InitialValues", "SeededValues", "check_backend_package", "make_backend"]

@@ -74,9 +74,9 @@ class Checkpointer:
         return iteration_dir(root, iteration)
 
     def _writes_group(self) -> bool:
-        """DeepSpeed: one replica per HSDP group writes (the others hold the same state);
-        FSDP2's checkpointing removes the duplicates itself."""
-        return self.run.cfg.parallel.backend != "deepspeed" or self.replica == 0
+        """DeepSpeed and megatron: one replica per HSDP group writes (the others hold the same
+        state); FSDP2's checkpointing removes the duplicates itself."""
+        return self.run.cfg.parallel.backend == "fsdp2" or self.replica == 0
 
     # --- resuming -------------------------------------------------------------------------
     def resume(self, say) -> int:

@@ -91,9 +91,11 @@ def source_groups(meta: dict, run: ResolvedRun) -> tuple[list[int], list[str]]:
         problems.append(f"backend {meta['backend']} (checkpoint) vs {backend} (run): a checkpoint loads "
                         "into the backend that wrote it (export to Hugging Face and use --init-from-hf to switch)")
     saved, lay = meta["layout"], run.layout
-    if backend == "deepspeed" and saved["hsdp_shard_size"] != lay.shard_size:
-        problems.append(f"ZeRO-3 group of {saved['hsdp_shard_size']} ranks (checkpoint) vs {lay.shard_size} (run): "
-                        "DeepSpeed checkpoints load only into ZeRO-3 groups of the same size "
+    fixed_shards = {"deepspeed": ("ZeRO-3", "DeepSpeed"), "megatron": ("distributed-optimizer", "megatron")}
+    if backend in fixed_shards and saved["hsdp_shard_size"] != lay.shard_size:
+        what, who = fixed_shards[backend]
+        problems.append(f"{what} group of {saved['hsdp_shard_size']} ranks (checkpoint) vs {lay.shard_size} (run): "
+                        f"{who} checkpoints load only into {what} groups of the same size "
                         "(FSDP2 checkpoints reshard)")
     notes: list[str] = []
     old, new = saved["num_groups"], lay.num_groups

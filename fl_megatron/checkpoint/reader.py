@@ -26,6 +26,7 @@ class CheckpointReader:
         self._shapes = {name: tuple(p.shape) for name, p in build_model(self.model_cfg, "meta").named_parameters()}
         self.names = list(self._shapes)
         self._deepspeed: dict[int, dict] = {}
+        self._megatron: dict[int, object] = {}
 
     def tensor(self, name: str, group: int) -> torch.Tensor:
         """Parameter `name` (our naming) of saved group `group`, fp32."""
@@ -33,6 +34,8 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.path} holds groups {', '.join(map(str, self.groups))}, not {group}")
         if self.meta["backend"] == "deepspeed":
             out = self._deepspeed_state(group)[name].contiguous().float()
+        elif self.meta["backend"] == "megatron":
+            out = self._megatron_tensor(group, name)
         else:
             out = self._dcp_tensor(group_dir(self.path, group), name)
         if tuple(out.shape) != self._shapes[name]:
@@ -71,3 +74,18 @@ class CheckpointReader:
                                                                  tag=CHECKPOINT_TAG, lazy_mode=True)
             self._deepspeed[group] = {canonical_name(k): v for k, v in state.items()}
         return self._deepspeed[group]
+
+    def _megatron_tensor(self, group: int, name: str) -> torch.Tensor:
+        """Our parameter `name` from a megatron group's shard files (fused tensors split)."""
+        from ..backends.megatron_names import megatron_layout, our_sources, our_tensor
+        from ..backends.megatron_state import ShardFileReader
+
+        if group not in self._megatron:
+            layout = megatron_layout(self.model_cfg)
+            shapes = {theirs: (sum(p.rows for p in pieces), *self._shapes[pieces[0].name][1:])
+                      for theirs, pieces in layout.items()}
+            self._megatron[group] = (ShardFileReader(group_dir(self.path, group), shapes), our_sources(layout))
+        reader, sources = self._megatron[group]
+        if name not in sources:
+            raise ValueError(f"{name} is not a parameter of this model")
+        return our_tensor(sources[name], reader)

@@ -5,6 +5,10 @@ from typing import Optional
 
 ARCHITECTURES = ("llama", "gpt")
 
+# megatron-core hard-codes these Llama 3.1 RoPE scaling details (RotaryEmbedding._apply_scaling)
+MEGATRON_ROPE_SCALING = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                         "rope_original_max_position": 8192}
+
 
 @dataclass
 class ModelConfig:
@@ -58,6 +62,15 @@ class ModelConfig:
             theirs["num_query_groups"] = self.num_query_groups
         return [f"{name} {theirs.get(name)!r} ({label}) vs {getattr(self, name)!r} (run)" for name in _FIELD_NAMES
                 if name not in ignored and theirs.get(name) != getattr(self, name)]
+
+    def megatron_problems(self) -> list[str]:
+        """What megatron-core's GPTModel cannot express of this model (empty: it can)."""
+        problems = []
+        if self.arch == "llama" and self.rope_scaling_factor is not None:
+            for name, value in MEGATRON_ROPE_SCALING.items():
+                if getattr(self, name) != value:
+                    problems.append(f"{name}={getattr(self, name)} (megatron-core fixes it at {value})")
+        return problems
 
     def validate(self) -> None:
         """Raise ValueError naming every inconsistent number."""

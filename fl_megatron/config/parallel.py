@@ -3,15 +3,16 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
-BACKENDS = ("fsdp2", "deepspeed")
+BACKENDS = ("fsdp2", "deepspeed", "megatron")
 
 
 @dataclass
 class ParallelConfig:
     """Where the ranks are and which sharding backend trains inside a federation group."""
 
-    backend: str = field(default="fsdp2", metadata={"help": "sharding backend inside a group: fsdp2 (PyTorch FSDP2) or deepspeed "
-                                                        "(ZeRO-3; default when --deepspeed_config is given)"})
+    backend: str = field(default="fsdp2", metadata={"help": "sharding backend inside a group: fsdp2 (PyTorch FSDP2), deepspeed "
+                                                        "(ZeRO-3; default when --deepspeed_config is given) or "
+                                                        "megatron (megatron-core's distributed optimizer)"})
     deepspeed_config: Optional[str] = field(
         default=None, metadata={"help": "DeepSpeed JSON config (ZeRO-3, bf16, optimizer, batch sizes, ...) with "
                                         "an optional 'federation' block; implies --backend deepspeed"})

@@ -87,6 +87,8 @@ class RunConfig:
                              f"group ({layout.shard_size} ranks: the federation group, or the HSDP shard "
                              "group), so that ZeRO++'s secondary copies stay inside it")
         t, m = self.training, self.model
+        if self.parallel.backend == "megatron" and m.megatron_problems():
+            raise ValueError("--backend megatron cannot build this model: " + "; ".join(m.megatron_problems()))
         if t.seq_length > m.max_position_embeddings:
             raise ValueError(f"seq_length={t.seq_length} exceeds the model's max_position_embeddings="
                              f"{m.max_position_embeddings}")

@@ -14,7 +14,9 @@ class Workload:
 
     regathered_params: parameters the backward pass all-gathers again (FSDP2: all but the root
     module's; DeepSpeed: beyond stage3_max_live_parameters); units: separately gathered modules.
-    eval_forwards: forward passes of one evaluation (each gathers the parameters once)."""
+    eval_forwards: forward passes of one evaluation (each gathers the parameters once).
+    gathered_once: every rank keeps the whole model (megatron-core): one all-gather per step and
+    none for evaluation."""
 
     num_params: int
     regathered_params: int
@@ -26,6 +28,7 @@ class Workload:
     compute_seconds: float
     master_bytes: int = 4
     eval_forwards: int = 0
+    gathered_once: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,14 +96,14 @@ def predict(variant: Variant, work: Workload, cluster: Cluster, overlap: float =
     layout = variant.layout
     compute = work.compute_seconds if compute_seconds is None else compute_seconds
     step = _timed(step_comm(layout, work.num_params, work.param_bytes, work.grad_bytes, work.micro_batches,
-                            work.regathered_params, work.units), layout, cluster)
+                            work.regathered_params, work.units, work.gathered_once), layout, cluster)
     sync = _timed(sync_comm(layout, work.num_params, work.master_bytes, variant.replica_split), layout,
                   cluster) if variant.sync_interval else ()
     comm = sum(t.seconds for t in step)
     gathers = step_comm(layout, work.num_params, work.param_bytes, micro_batches=max(work.eval_forwards, 1),
                         units=work.units).entries
     evaluation = _timed(CommBreakdown(tuple(c for c in gathers if c.name == "all_gather_forward")), layout,
-                        cluster) if work.eval_forwards else ()
+                        cluster) if work.eval_forwards and not work.gathered_once else ()
     return Prediction(variant, compute, step, sync, compute + comm - overlap * min(compute, comm),
                       sum(t.seconds for t in evaluation), sum(t.inter_node_wire_bytes for t in evaluation))
 

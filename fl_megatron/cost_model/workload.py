@@ -42,10 +42,12 @@ def workload_for(run: ResolvedRun, compute_seconds: Optional[float] = None,
         compute_seconds = flops_seconds(total, cfg.model, t.seq_length, tokens_per_rank, c.peak_tflops, c.mfu,
                                         t.recompute_activations)
     param_bytes = 2 if t.bf16 else 4
-    # FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy reduce_dtype); DeepSpeed in the model dtype
+    # FSDP2 and megatron reduce gradients in fp32 (MixedPrecisionPolicy reduce_dtype,
+    # grad_reduce_in_fp32); DeepSpeed in the model dtype
     grad_bytes = param_bytes if cfg.parallel.backend == "deepspeed" else 4
     return Workload(num_params=total, regathered_params=regathered_params(cfg.parallel.backend, total, root,
                                                                           cfg.deepspeed),
                     units=blocks + 1, param_bytes=param_bytes, grad_bytes=grad_bytes,
                     micro_batches=run.accumulation, tokens_per_step=run.tokens_per_step,
-                    compute_seconds=compute_seconds, eval_forwards=t.eval_iters)
+                    compute_seconds=compute_seconds, eval_forwards=t.eval_iters,
+                    gathered_once=cfg.parallel.backend == "megatron")

@@ -39,6 +39,11 @@ def _backend_line(cfg: RunConfig, layout: Layout) -> str:
         if hpz > 1:
             text += f", ZeRO++ hpZ secondary partitions over {hpz} ranks"
         return text
+    if cfg.parallel.backend == "megatron":
+        text = f"  backend: megatron-core DistributedOptimizer over {layout.shard_size} ranks"
+        if layout.is_hsdp:
+            text += f", gradient shards all-reduced over {layout.replicas} replicas each step"
+        return text
     mesh = f"{layout.replicas} x {layout.shard_size} (replicate x shard)" if layout.is_hsdp else f"{layout.shard_size}"
     return f"  backend: PyTorch FSDP2 over {mesh} ranks"
 
@@ -65,13 +70,16 @@ def dry_run_report(run: ResolvedRun) -> str:
     memory = estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
                                       t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
                                       optimizer=t.optimizer, largest_layer_params=max(largest, root),
-                                      recompute=t.recompute_activations)
+                                      recompute=t.recompute_activations,
+                                      replicated_params=cfg.parallel.backend == "megatron")
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
-    per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=4, micro_batches=accum)
+    once = cfg.parallel.backend == "megatron"
+    per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=4, micro_batches=accum,
+                         gathered_once=once)
     sync = sync_comm(layout, num_params, master_bytes=4, replica_split=fed.replica_split)
     amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=4,
                                  master_bytes=4, replica_split=fed.replica_split,
-                                 micro_batches=accum)
+                                 micro_batches=accum, gathered_once=once)
     lines = [
         "fl-megatron dry run (no processes started)",
         *("  " + line for line in layout.describe().splitlines()),
