@@ -201,7 +201,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              optimizer: str = "adamw",
                              largest_layer_params: Optional[int] = None,
                              flash_attention: bool = True,
-                             recompute: bool = False, replicated_params: bool = False) -> Dict[str, float]:
+                             recompute: bool = False, replicated_params: bool = False,
+                             grad_bytes: int = 4) -> Dict[str, float]:
     """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
 
     Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
@@ -214,7 +215,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
     2*seq*micro*h bytes per layer, plus one block's full activations during its backward; plus
     fp32 logits and their gradient (seq*micro*vocab*4*2).
     `replicated_params` (megatron-core's distributed optimizer): every rank holds the whole model
-    in its dtype and a whole fp32 gradient buffer; fp32 main shards exist only beside bf16 params.
+    in its dtype and a whole gradient buffer of `grad_bytes` per element; fp32 main shards exist
+    only beside bf16 params.
     Keys: master_params, gradients, optimizer_states, working_params, activations,
     logits, total.
     """
@@ -241,7 +243,7 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
         "logits": seq_length * micro_batch_size * vocab_size * 4 * 2,
     }
     if replicated_params:
-        parts.update(master_params=4 * num_params / s if bf16 else 0.0, gradients=4.0 * num_params,
+        parts.update(master_params=4 * num_params / s if bf16 else 0.0, gradients=float(grad_bytes * num_params),
                      working_params=float(num_params * param_bytes))
     parts["total"] = sum(parts.values())
     return parts

@@ -153,3 +153,33 @@ def test_configured_cluster_errors_and_dry_run_block():
     assert ok.returncode == 0, ok.stderr
     for label in ("FSDP ", "HSDP ", "FL+HSDP naive", "FL+HSDP split"):
         assert label in ok.stdout
+
+
+def test_workload_of_each_backend_and_gradient_dtype():
+    """Gradient bytes and gathers per step follow what each backend does: FSDP2 and megatron
+    reduce fp32 gradients unless --grad-reduce-dtype bf16, DeepSpeed its model dtype; megatron
+    gathers the whole model once per step and never for evaluation."""
+    from fl_megatron.config import RunConfig, resolve
+    from fl_megatron.cost_model.workload import workload_for
+    from fl_megatron.models import get_preset
+
+    def workload(backend, grad=None):
+        cfg = RunConfig()
+        cfg.model, cfg.preset = get_preset("llama-tiny"), "llama-tiny"
+        cfg.parallel.backend, cfg.training.bf16, cfg.training.grad_reduce_dtype = backend, True, grad
+        cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps = 1, 4
+        if backend == "deepspeed":
+            cfg.deepspeed = {}
+        return workload_for(resolve(cfg, 8, 4), compute_seconds=1.0)
+
+    fsdp2, megatron, deepspeed = workload("fsdp2"), workload("megatron"), workload("deepspeed")
+    assert (fsdp2.grad_bytes, megatron.grad_bytes, deepspeed.grad_bytes) == (4, 4, 2)
+    assert workload("fsdp2", "bf16").grad_bytes == workload("megatron", "bf16").grad_bytes == 2
+    assert megatron.gathered_once and not fsdp2.gathered_once
+    layout = make_layout(8, ranks_per_node=4)
+    variant = Variant("FSDP", layout, 0)
+    with_eval = predict(variant, replace(megatron, eval_forwards=4), SLOW)
+    assert with_eval.eval_comm_seconds == 0  # the whole model is on every rank: evaluation moves nothing
+    assert predict(variant, replace(fsdp2, eval_forwards=4), SLOW).eval_comm_seconds > 0
+    gathers = [t for t in predict(variant, megatron, SLOW).step_comm if t.collective.op == "all_gather"]
+    assert sum(t.collective.bytes for t in gathers) == pytest.approx(megatron.num_params * 7 / 8 * 2)

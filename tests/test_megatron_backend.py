@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from cli_utils import SGD, run_pretrain  # noqa: E402
+from fl_megatron.checkpoint.reader import CheckpointReader  # noqa: E402
 from fl_megatron.local_ranks import run_ranks  # noqa: E402
 from fl_test_utils import make_trainer, max_diff, peers_identical, tiny_config, train_and_gather  # noqa: E402
 
@@ -65,9 +67,12 @@ def _exactness_job(rank, world, tmp, cache):
             _, b = train_and_gather(_adamw(fs(f"fs-{name}", sync_interval=4, **kw), arch=arch))
             out[f"loss_gap_{name}"] = _relative_loss_gap(f"{tmp}/mg-{name}", f"{tmp}/fs-{name}")
             out[f"param_gap_{name}"] = max_diff(a, b)
-    # bf16 AdamW, H = 2: main shards and bf16 model parameters identical across groups after
-    # step 2 only; the model parameters are the main shards rounded to bf16
-    trainer = make_trainer(_adamw(mg("bf16", group_size=2, sync_interval=2, bf16=True), steps=4))
+    # bf16 AdamW with bf16 gradients, H = 2: main shards and bf16 model parameters identical
+    # across groups after step 2 only; the model parameters are the main shards rounded to bf16
+    cfg = _adamw(mg("bf16", group_size=2, sync_interval=2, bf16=True), steps=4)
+    cfg.training.grad_reduce_dtype = "bf16"  # Megatron-LM's default: a bf16 gradient buffer
+    trainer = make_trainer(cfg)
+    out["grad_buffer_dtypes"] = sorted({str(b.grad_dtype) for b in trainer.backend.ddp.buffers})
     params = [p.data.reshape(-1) for p in trainer.backend.gpt.parameters()]
     identical = []
     for step in range(3):
@@ -94,6 +99,7 @@ def test_megatron_backend_matches_megatron_core_over_all_ranks_and_fsdp2(tmp_pat
             assert r[f"param_gap_{name}"] <= 1e-4, (rank, name, r)
         assert r["identical_after_steps_1_2_3"] == [(False, False), (True, True), (False, False)], r
         assert r["param_dtypes"] == ["torch.bfloat16"] and r["model_is_rounded_main"]
+        assert r["grad_buffer_dtypes"] == ["torch.bfloat16"]
 
 
 def _export_job(rank, world, tmp, cache):
@@ -116,7 +122,8 @@ def _export_job(rank, world, tmp, cache):
 
 def test_hf_export_of_a_megatron_checkpoint_gives_megatrons_logits_in_transformers(tmp_path):
     """The fused q/k/v (grouped per key/value head) and gate/up tensors are split correctly: the
-    exported group's logits in `transformers` are megatron-core's own (Llama with GQA, GPT tied)."""
+    exported group's logits in `transformers` are megatron-core's own (Llama with GQA, GPT tied);
+    and the export, read back with --init-from-hf, fills megatron's fused tensors exactly."""
     import subprocess
     import sys
 
@@ -135,3 +142,10 @@ def test_hf_export_of_a_megatron_checkpoint_gives_megatrons_logits_in_transforme
             with torch.no_grad():
                 logits = model(tokens).logits
             assert (logits - torch.tensor(results[rank][arch])).abs().max().item() <= 1e-4, (arch, group)
+    # --init-from-hf on the megatron backend: a run started from group 1's export (SGD at lr 0 keeps
+    # the weights, on 1 group of 4 instead of 2 of 2) holds exactly that group's weights
+    run_pretrain(4, tmp_path / "init", tmp_path / "cache", "--backend", "megatron", "--init-from-hf",
+                 str(tmp_path / "llama-hf1"), "--rope-scaling-factor", "8", *SGD, "--lr", "0", "--train-iters", "1",
+                 "--eval-iters", "0", "--save", str(tmp_path / "init-ckpt"))
+    started, source = CheckpointReader(tmp_path / "init-ckpt"), CheckpointReader(tmp_path / "llama-ckpt")
+    assert all(torch.equal(started.tensor(n, 0), source.tensor(n, 1)) for n in source.names)

@@ -38,7 +38,8 @@ class FSDP2Backend:
         self.device = device
         self.compute_dtype = torch.bfloat16 if t.bf16 else torch.float32
         model = build_model(run.cfg.model, device="meta")
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.bf16 \
+        reduce_dtype = torch.bfloat16 if t.grad_reduce_dtype == "bf16" else torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if t.bf16 \
             else MixedPrecisionPolicy()
         mesh = groups.shard_mesh
         if t.recompute_activations:

@@ -2,7 +2,7 @@
 
 The data-parallel group megatron-core sees is the federation group: its gradients are
 reduce-scattered there and its optimizer state and fp32 main parameters are sharded there, while
-every rank keeps the whole model (megatron's distributed optimizer, ZeRO-1/2 style). FL+HSDP
+every rank keeps the whole model (megatron's distributed optimizer: ZeRO-1 with reduce-scattered gradients). FL+HSDP
 uses megatron's own partial distributed optimizer: the optimizer is sharded over the shard group
 and each step all-reduces the gradient shards over the replicas (`inter_dist_opt` group). A sync
 averages the fp32 main shards across groups in place, then copies them into the model parameters
@@ -67,17 +67,18 @@ class MegatronBackend:
     @compat_method
     def __init__(self, run: ResolvedRun, groups: ProcessGroups, device: torch.device,
                  initial: InitialValues) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         quiet_import_megatron()
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
         t = run.cfg.training
         self.model_cfg, self.groups, self.device = run.cfg.model, groups, device
         if device.type == "cpu":
             install_cpu_rng_tracker(t.seed)
         pgc = _process_group_collection(groups)
         self.shard_group = pgc.intra_dp_cp
-        config, model = build_gpt_model(run.cfg.model, t, pgc)
+        # on a GPU megatron creates the parameters there directly: no whole-model copy in host memory
+        config, model = build_gpt_model(run.cfg.model, t, pgc, on_cpu=device.type == "cpu")
+        self.gpt = model
         self.layout = megatron_layout(run.cfg.model)
         self._sources = our_sources(self.layout)
         names = {name for name, _ in model.named_parameters()}
@@ -85,40 +86,50 @@ class MegatronBackend:
             raise RuntimeError("megatron-core's GPTModel has parameters "
                                f"{sorted(names ^ set(self.layout))} that the name map does not expect")
         shapes = {name: tuple(p.shape) for name, p in build_model(run.cfg.model, "meta").named_parameters()}
-        initial_full = {name: megatron_tensor(pieces, lambda n, a, b: initial.rows(n, shapes[n], a, b))
-                        for name, pieces in self.layout.items()}
+
+        def initial_tensor(name: str) -> torch.Tensor:
+            """The fp32 initial value of megatron parameter `name`, stacked from our rows."""
+            return megatron_tensor(self.layout[name], lambda n, a, b: initial.rows(n, shapes[n], a, b))
+
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(initial_full[name])
-        self.gpt = model
+            for name, param in model.named_parameters():  # one tensor at a time
+                param.copy_(initial_tensor(name))
         if t.bf16:  # as Megatron-LM does: every parameter in bf16, logits returned in fp32
             from megatron.core.transformer.module import Float16Module
             model = Float16Module(config, model)
         model.to(device)
         replicas = groups.layout.replicas if groups.layout.is_hsdp else 1
         ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=True, grad_reduce_in_fp32=t.grad_reduce_dtype != "bf16",
+            overlap_grad_reduce=False,
             overlap_param_gather=False, num_distributed_optimizer_instances=replicas)
         self.ddp = DistributedDataParallel(config, ddp_config, model, pg_collection=pgc)
         self.model = self.ddp
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=t.lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
-            clip_grad=t.clip_grad, bf16=t.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=True)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp], use_gloo_process_groups=False,
-                                                pg_collection=pgc)
+        self.optimizer = self._build_optimizer(t, config.params_dtype, pgc)
         self._dist_opts = [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
                            if not getattr(o, "is_stub_optimizer", False)]
-        for group in self.optimizer.param_groups:
-            # what megatron's OptimizerParamScheduler does: no decay for norms and biases (wd_mult 0)
-            group["weight_decay"] = t.weight_decay * group.get("wd_mult", 1.0)
         if t.optimizer == "sgd":
             # megatron's DistributedOptimizer accepts only Adam (for its own checkpoint format, which
             # this backend does not use): SGD steps the same fp32 main shards in the same groups
             for opt in self._dist_opts:
                 opt.optimizer = _sgd_over(opt.optimizer.param_groups, t.lr, t.sgd_momentum)
-        self._set_main_from_full(lambda name: initial_full[name])
+        if t.bf16:  # the main shards were cloned from bf16 parameters: give them the exact fp32 values
+            self._set_main_from_full(initial_tensor)
         self.files = MegatronShardFiles(self._dist_opts, self._param_names())
+
+    def _build_optimizer(self, t, params_dtype: torch.dtype, pgc):
+        """megatron's distributed optimizer (Adam) with our hyper-parameters and its no-decay rule."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
+            params_dtype=params_dtype, use_distributed_optimizer=True)
+        optimizer = get_megatron_optimizer(config, [self.ddp], use_gloo_process_groups=False, pg_collection=pgc)
+        for group in optimizer.param_groups:
+            # what megatron's OptimizerParamScheduler does: no decay for norms and biases (wd_mult 0)
+            group["weight_decay"] = t.weight_decay * group.get("wd_mult", 1.0)
+        return optimizer
 
     def _param_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.gpt.named_parameters()}
@@ -131,7 +142,8 @@ class MegatronBackend:
 
     @torch.no_grad()
     def _set_main_from_full(self, full) -> None:
-        """Fill every main shard from full fp32 megatron tensors (`full(name)`), then refresh."""
+        """Fill every main shard from whole fp32 megatron tensors (`full(name)`, called once per
+        parameter this rank holds a shard of), then refresh the model."""
         names = self._param_names()
         for param, main, start, stop in self._main_pairs():
             main.copy_(full(names[id(param)]).reshape(-1)[start:stop])

@@ -26,8 +26,9 @@ def quiet_import_megatron():
     return GPTModel, get_gpt_layer_local_spec, TransformerConfig
 
 
-def transformer_config(cfg: ModelConfig, training: TrainingConfig):
-    """megatron-core's TransformerConfig for our model (no dropout, weights filled by us)."""
+def transformer_config(cfg: ModelConfig, training: TrainingConfig, on_cpu: bool = True):
+    """megatron-core's TransformerConfig for our model (no dropout, weights filled by us;
+    parameters created on the CPU or on the current CUDA device)."""
     _, _, TransformerConfig = quiet_import_megatron()
     llama = cfg.arch == "llama"
     dtype = torch.bfloat16 if training.bf16 else torch.float32
@@ -42,19 +43,19 @@ def transformer_config(cfg: ModelConfig, training: TrainingConfig):
             normalization="RMSNorm" if llama else "LayerNorm", layernorm_epsilon=cfg.norm_eps,
             gated_linear_unit=llama, activation_func=F.silu if llama else gelu_tanh, add_bias_linear=not llama,
             hidden_dropout=0.0, attention_dropout=0.0, bf16=training.bf16, params_dtype=dtype,
-            pipeline_dtype=dtype, attention_softmax_in_fp32=True, use_cpu_initialization=True,
+            pipeline_dtype=dtype, attention_softmax_in_fp32=True, use_cpu_initialization=on_cpu,
             perform_initialization=False, masked_softmax_fusion=torch.cuda.is_available(),
             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, **extra)
 
 
-def build_gpt_model(cfg: ModelConfig, training: TrainingConfig, pg_collection):
-    """GPTModel with the local (megatron-core only) layer spec, on the CPU, weights unset."""
+def build_gpt_model(cfg: ModelConfig, training: TrainingConfig, pg_collection, on_cpu: bool = True):
+    """GPTModel with the local (megatron-core only) layer spec, weights unset."""
     problems = cfg.megatron_problems()
     if problems:
         raise ValueError("--backend megatron cannot build this model: " + "; ".join(problems))
     GPTModel, get_gpt_layer_local_spec, _ = quiet_import_megatron()
     llama = cfg.arch == "llama"
-    config = transformer_config(cfg, training)
+    config = transformer_config(cfg, training, on_cpu)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
         spec = get_gpt_layer_local_spec(normalization=config.normalization)

@@ -87,6 +87,9 @@ class RunConfig:
                              f"group ({layout.shard_size} ranks: the federation group, or the HSDP shard "
                              "group), so that ZeRO++'s secondary copies stay inside it")
         t, m = self.training, self.model
+        if self.parallel.backend == "deepspeed" and t.grad_reduce_dtype is not None:
+            raise ValueError(f"grad_reduce_dtype={t.grad_reduce_dtype!r} is for the fsdp2 and megatron backends; "
+                             "DeepSpeed reduces gradients in its communication_data_type (set it in its JSON)")
         if self.parallel.backend == "megatron" and m.megatron_problems():
             raise ValueError("--backend megatron cannot build this model: " + "; ".join(m.megatron_problems()))
         if t.seq_length > m.max_position_embeddings:

@@ -34,6 +34,11 @@ class TrainingConfig:
     sgd_momentum: float = field(default=0.0, metadata={"help": "SGD momentum"})
     clip_grad: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this; 0 disables"})
     bf16: bool = field(default=False, metadata={"help": "bf16 compute and communication with fp32 master shards"})
+    grad_reduce_dtype: Optional[str] = field(
+        default=None, metadata={"help": "with --bf16, the dtype gradients are reduced in (megatron: also accumulated "
+                                        "in): fp32 (the fsdp2 and megatron default) or bf16 (half the gradient "
+                                        "traffic; on megatron also half its whole-model gradient buffer); "
+                                        "DeepSpeed takes it from its JSON (communication_data_type)"})
     recompute_activations: bool = field(
         default=False, metadata={"help": "keep only each block's input and recompute the block in the "
                                          "backward pass (less memory, about a third more compute)"})
@@ -86,6 +91,10 @@ class TrainingConfig:
             errors.append(f"adam_eps={self.adam_eps} must be positive")
         if not 0 <= self.sgd_momentum < 1:
             errors.append(f"sgd_momentum={self.sgd_momentum} must lie in [0, 1)")
+        if self.grad_reduce_dtype not in (None, "fp32", "bf16"):
+            errors.append(f"grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of fp32, bf16")
+        elif self.grad_reduce_dtype == "bf16" and not self.bf16:
+            errors.append("grad_reduce_dtype='bf16' needs --bf16 (fp32 training reduces fp32 gradients)")
         if self.clip_grad < 0:
             errors.append(f"clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
         for name in ("eval_interval", "eval_iters"):

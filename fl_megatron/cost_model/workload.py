@@ -19,6 +19,15 @@ def parameter_counts(model_cfg) -> tuple[int, int, int]:
     return total, total - blocks, len(model.layers)
 
 
+def gradient_bytes(cfg) -> int:
+    """Bytes per gradient element reduced in a step: FSDP2 and megatron reduce (megatron also
+    accumulates) in fp32 unless --grad-reduce-dtype bf16; DeepSpeed in the model dtype."""
+    param_bytes = 2 if cfg.training.bf16 else 4
+    if cfg.parallel.backend == "deepspeed" or cfg.training.grad_reduce_dtype == "bf16":
+        return param_bytes
+    return 4
+
+
 def regathered_params(backend: str, num_params: int, root_params: int, deepspeed: Optional[dict]) -> int:
     """Parameters the backward pass gathers again: FSDP2 keeps the root module (embeddings, final
     norm, output layer) gathered from forward to backward; DeepSpeed keeps up to
@@ -42,9 +51,7 @@ def workload_for(run: ResolvedRun, compute_seconds: Optional[float] = None,
         compute_seconds = flops_seconds(total, cfg.model, t.seq_length, tokens_per_rank, c.peak_tflops, c.mfu,
                                         t.recompute_activations)
     param_bytes = 2 if t.bf16 else 4
-    # FSDP2 and megatron reduce gradients in fp32 (MixedPrecisionPolicy reduce_dtype,
-    # grad_reduce_in_fp32); DeepSpeed in the model dtype
-    grad_bytes = param_bytes if cfg.parallel.backend == "deepspeed" else 4
+    grad_bytes = gradient_bytes(cfg)
     return Workload(num_params=total, regathered_params=regathered_params(cfg.parallel.backend, total, root,
                                                                           cfg.deepspeed),
                     units=blocks + 1, param_bytes=param_bytes, grad_bytes=grad_bytes,

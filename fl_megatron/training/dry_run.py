@@ -7,7 +7,7 @@ per-rank memory estimate and communication per step and per sync from the formul
 
 from ..config import ResolvedRun, RunConfig
 from ..cost_model.compare import compare_text
-from ..cost_model.workload import workload_for
+from ..cost_model.workload import gradient_bytes, workload_for
 from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes, step_comm,
                      sync_comm)
 from ..models import build_model
@@ -71,13 +71,14 @@ def dry_run_report(run: ResolvedRun) -> str:
                                       t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
                                       optimizer=t.optimizer, largest_layer_params=max(largest, root),
                                       recompute=t.recompute_activations,
-                                      replicated_params=cfg.parallel.backend == "megatron")
+                                      replicated_params=cfg.parallel.backend == "megatron",
+                                      grad_bytes=gradient_bytes(cfg))
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"
-    per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=4, micro_batches=accum,
+    per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
                          gathered_once=once)
     sync = sync_comm(layout, num_params, master_bytes=4, replica_split=fed.replica_split)
-    amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=4,
+    amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg),
                                  master_bytes=4, replica_split=fed.replica_split,
                                  micro_batches=accum, gathered_once=once)
     lines = [
