@@ -1,5 +1,6 @@
-# fl-megatron: `make demo` pre-trains a tiny Llama on 4 CPU ranks (FL+FSDP, 2 groups of 2);
-# `make test` runs the test suite. Both create the virtual environment they need first.
+# fl-megatron: `make demo` pre-trains a tiny Llama on 4 CPU ranks (FL+FSDP, 2 groups of 2)
+# (`make demo ARGS="--backend megatron"`: on megatron-core); `make test` runs the test suite.
+# Both create the virtual environment they need first.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,9 +27,16 @@ $(VENV)/.test-extras: setup.py $(VENV)/.package
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
-demo: $(VENV)/.package
+# ARGS="--backend megatron": the same demo on megatron-core's distributed optimizer (installed first).
+DEMO_MEGATRON := $(findstring --backend megatron,$(ARGS))
+
+demo: $(VENV)/.package $(if $(DEMO_MEGATRON),$(VENV)/.megatron)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_RANKS) \
-		-m fl_megatron.pretrain --config examples/demo.json $(ARGS)
+		-m fl_megatron.pretrain --config examples/demo.json $(if $(DEMO_MEGATRON),--run-dir runs/demo-megatron) $(ARGS)
+
+$(VENV)/.megatron: setup.py $(VENV)/.package
+	$(BIN)/python -m pip install -q -e ".[megatron]"
+	touch $@
 
 $(VENV)/.deepspeed: setup.py $(VENV)/.package
 	$(BIN)/python -m pip install -q -e ".[deepspeed]"

@@ -21,6 +21,8 @@ transformers = pytest.importorskip("transformers")
     ("llama3.1-70b", 70_553_706_496),
     ("llama3.2-1b", 1_235_814_400),
     ("gpt2-small", 124_439_808),
+    ("gpt3-1.3b", 1_315_723_264),
+    ("gpt3-6.7b", 6_658_404_352),
 ])
 def test_preset_parameter_counts(name, expected):
     assert count_parameters(get_preset(name)) == expected

@@ -1,10 +1,10 @@
-# Builds and launches `python -m fl_megatron.pretrain` for the Llama 3.1 8B recipes in
-# examples/llama3.1-8b/. Sourced, not run, by examples/slurm/*.sbatch and
-# examples/deepspeed/launch-deepspeed.sh, which set:
-#   BACKEND      fsdp2 | deepspeed
+# Builds and launches `python -m fl_megatron.pretrain` for the recipes in examples/MODEL/BACKEND/.
+# Sourced, not run, by examples/slurm/*.sbatch and examples/deepspeed/launch-deepspeed.sh, which set:
+#   BACKEND      fsdp2 | deepspeed | megatron
 #   CLUSTER      128x4 | 64x8: NODESxGPUS_PER_NODE (the sbatch header must ask for the same)
 #   FL_LAUNCHER  srun (default) | deepspeed (then FL_HOSTFILE: a DeepSpeed hostfile, absolute path)
-# and pass: LAYOUT [extra pretrain flags...]; the extra flags come last, so they override the recipe.
+# and pass: [MODEL] LAYOUT [extra pretrain flags...]; MODEL is llama3.1-8b (the default) or
+# gpt3-6.7b; the extra flags come last, so they override the recipe.
 #
 # FL_DRY_RUN=1: start nothing (no srun, scontrol or deepspeed); run the same pretrain arguments in
 # this one process with --world-size NODES*GPUS_PER_NODE --dry-run, which validates the layout and
@@ -13,6 +13,8 @@
 
 set -euo pipefail
 
+FL_MODELS=(llama3.1-8b gpt3-6.7b)  # the first is the default; recipes in examples/MODEL/BACKEND/
+FL_BACKENDS=(fsdp2 deepspeed megatron)
 FL_LAYOUTS=(fsdp hsdp fl-fsdp fl-hsdp)
 FL_CLUSTERS=(128x4 64x8)
 
@@ -40,14 +42,19 @@ fl_show() {  # print a command line to stderr, quoted so that it can be pasted b
     echo "fl-megatron launch: ${line% }" >&2
 }
 
+MODEL=${FL_MODELS[0]}
+if [[ $# -gt 0 ]] && fl_one_of "$1" "${FL_MODELS[@]}"; then
+    MODEL=$1
+    shift
+fi
 LAYOUT=${1:-}
 [[ $# -gt 0 ]] && shift
 if [[ -z $LAYOUT ]]; then
-    fl_die "no layout given (arguments: LAYOUT [extra pretrain flags...]); valid layouts: $(fl_list "${FL_LAYOUTS[@]}")"
+    fl_die "no layout given (arguments: [MODEL] LAYOUT [extra pretrain flags...]); valid layouts: $(fl_list "${FL_LAYOUTS[@]}")"
 elif ! fl_one_of "$LAYOUT" "${FL_LAYOUTS[@]}"; then
-    fl_die "unknown layout '${LAYOUT}'; valid layouts: $(fl_list "${FL_LAYOUTS[@]}")"
+    fl_die "unknown layout '${LAYOUT}'; valid layouts: $(fl_list "${FL_LAYOUTS[@]}"); a model may come first: $(fl_list "${FL_MODELS[@]}") (default ${FL_MODELS[0]})"
 fi
-fl_one_of "${BACKEND:-}" fsdp2 deepspeed || fl_die "BACKEND='${BACKEND:-}' is not fsdp2 or deepspeed"
+fl_one_of "${BACKEND:-}" "${FL_BACKENDS[@]}" || fl_die "BACKEND='${BACKEND:-}' is not one of $(fl_list "${FL_BACKENDS[@]}")"
 if ! fl_one_of "${CLUSTER:-}" "${FL_CLUSTERS[@]}"; then
     fl_die "unknown cluster '${CLUSTER:-}'; valid clusters: $(fl_list "${FL_CLUSTERS[@]}")"
 fi
@@ -59,13 +66,13 @@ WORLD_SIZE_PLANNED=$((NODES * GPUS_PER_NODE))
 FL_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$FL_ROOT"
 
-RECIPES=examples/llama3.1-8b/$BACKEND
+RECIPES=examples/$MODEL/$BACKEND
 RUN_NAME=$BACKEND-$LAYOUT-$CLUSTER
-if [[ $BACKEND == fsdp2 ]]; then
-    PRETRAIN_ARGS=(--config "$RECIPES/$LAYOUT-$CLUSTER.json")
-else  # model/training/data from run-CLUSTER.json, ZeRO-3/batch/optimizer/federation from the DS JSON
+if [[ $BACKEND == deepspeed ]]; then  # model/training/data from run-CLUSTER.json, ZeRO-3/batch/optimizer/federation from the DS JSON
     PRETRAIN_ARGS=(--config "$RECIPES/run-$CLUSTER.json" --deepspeed_config "$RECIPES/$LAYOUT-$CLUSTER.json"
-                   --run-dir "runs/llama3.1-8b/$RUN_NAME")
+                   --run-dir "runs/$MODEL/$RUN_NAME")
+else  # fsdp2, megatron: one run JSON (its "parallel" section names the backend)
+    PRETRAIN_ARGS=(--config "$RECIPES/$LAYOUT-$CLUSTER.json")
 fi
 for f in "${PRETRAIN_ARGS[@]}"; do
     if [[ $f == *.json && ! -f $f ]]; then fl_die "recipe $FL_ROOT/$f is missing"; fi
@@ -112,7 +119,7 @@ if [[ $FL_LAUNCHER == srun ]]; then
     [[ ${SLURM_NTASKS_PER_NODE:-} == "$GPUS_PER_NODE" ]] ||
         fl_die "the $CLUSTER recipe needs $GPUS_PER_NODE tasks (GPUs) per node but this job has SLURM_NTASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-unset}; fix #SBATCH --ntasks-per-node"
     source "$FL_ROOT/examples/slurm/env.sh"
-    echo "fl-megatron launch: $RUN_NAME on $SLURM_JOB_NUM_NODES nodes x $GPUS_PER_NODE GPUs, master $MASTER_ADDR:$MASTER_PORT" >&2
+    echo "fl-megatron launch: $MODEL $RUN_NAME on $SLURM_JOB_NUM_NODES nodes x $GPUS_PER_NODE GPUs, master $MASTER_ADDR:$MASTER_PORT" >&2
     FL_CMD=(srun --kill-on-bad-exit=1 --nodes="$NODES" --ntasks-per-node="$GPUS_PER_NODE"
             "$PYTHON" -u -m fl_megatron.pretrain "${PRETRAIN_ARGS[@]}")
     fl_show "${FL_CMD[@]}"

@@ -30,6 +30,14 @@ _PRESETS = MappingProxyType({
     "gpt2-small": ModelConfig(
         arch="gpt", num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
         vocab_size=50257, max_position_embeddings=1024, norm_eps=1e-5, tie_embeddings=True),
+    # GPT-3 XL and 6.7B (Brown et al. 2020, table 2.1): the GPT-2 architecture (learned positions,
+    # LayerNorm, GELU, tied embeddings) with the GPT-2 BPE vocabulary and a 2048-token context.
+    "gpt3-1.3b": ModelConfig(
+        arch="gpt", num_layers=24, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
+        vocab_size=50257, max_position_embeddings=2048, norm_eps=1e-5, tie_embeddings=True),
+    "gpt3-6.7b": ModelConfig(
+        arch="gpt", num_layers=32, hidden_size=4096, ffn_hidden_size=16384, num_attention_heads=32,
+        vocab_size=50257, max_position_embeddings=2048, norm_eps=1e-5, tie_embeddings=True),
 })
 
 
