@@ -149,3 +149,22 @@ def test_hf_export_of_a_megatron_checkpoint_gives_megatrons_logits_in_transforme
                  "--eval-iters", "0", "--save", str(tmp_path / "init-ckpt"))
     started, source = CheckpointReader(tmp_path / "init-ckpt"), CheckpointReader(tmp_path / "llama-ckpt")
     assert all(torch.equal(started.tensor(n, 0), source.tensor(n, 1)) for n in source.names)
+
+
+def test_missing_megatron_and_an_impostor_apex_are_named_before_anything_starts(tmp_path, monkeypatch):
+    """PyPI's 'apex' is an unrelated package that megatron-core would take for NVIDIA Apex."""
+    from fl_megatron.backends import check_backend_package
+
+    check_backend_package("megatron")  # installed here, and no apex at all: fine
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("# the web framework of the same name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="not NVIDIA Apex .* pip uninstall apex"):
+        check_backend_package("megatron")
+    check_backend_package("fsdp2")  # only megatron-core looks for apex
+    import fl_megatron.backends as backends
+
+    monkeypatch.setitem(backends._PACKAGES, "megatron", ("megatron_absent.core", "megatron"))
+    with pytest.raises(ValueError, match=r"needs megatron_absent.core, which is not installed: "
+                                         r"pip install -e \"\.\[megatron\]\""):
+        check_backend_package("megatron")

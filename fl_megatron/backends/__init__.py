@@ -23,7 +23,8 @@ _PACKAGES = {"deepspeed": ("deepspeed", "deepspeed"), "megatron": ("megatron.cor
 
 
 def check_backend_package(backend: str) -> None:
-    """ValueError naming the pip extra when the backend's framework is not installed (cheap: no
+    """ValueError naming the pip extra when the backend's framework is not installed, or naming
+    an impostor 'apex' that megatron-core would mistake for NVIDIA Apex (cheap: no framework
     import), so the entry point can say it before any process group exists."""
     if backend not in _PACKAGES:
         return
@@ -32,6 +33,11 @@ def check_backend_package(backend: str) -> None:
     if importlib.util.find_spec(top) is None or importlib.util.find_spec(module) is None:
         raise ValueError(f"--backend {backend} needs {module}, which is not installed: "
                          f"pip install -e \".[{extra}]\"")
+    if backend == "megatron" and importlib.util.find_spec("apex") is not None \
+            and importlib.util.find_spec("apex.normalization") is None:
+        raise ValueError("the installed 'apex' package is not NVIDIA Apex (PyPI's 'apex' is an unrelated "
+                         "project) and megatron-core would take it for NVIDIA's: pip uninstall apex. NVIDIA "
+                         "Apex is optional (build it from github.com/NVIDIA/apex for fused kernels on GPUs)")
 
 
 def make_backend(run: ResolvedRun, groups: ProcessGroups, device: torch.device,
