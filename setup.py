@@ -25,8 +25,9 @@ setup(
         # the DeepSpeed backend reads ZeRO-3's partitions: 0.19.8 is the version it is tested with
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         # --backend megatron and the Megatron-LM integration reach into the distributed optimizer's
-        # shards: 0.16.1 (the release for Python 3.11 and Megatron-LM core_v0.16.1) is tested
-        "megatron": ["megatron-core==0.16.1"],
+        # shards: 0.16.1 (the release for Python 3.11 and Megatron-LM core_v0.16.1) is tested;
+        # its parallel_state needs einops (undeclared) for partial distributed optimizers
+        "megatron": ["megatron-core==0.16.1", "einops>=0.8"],
         # Hugging Face tokenizer.json files for tools/preprocess_data.py (--tokenizer-type HuggingFaceTokenizer)
         "data": ["tokenizers>=0.19"],
         # --tensorboard-dir writes TensorBoard event files; --wandb-project logs to Weights & Biases
@@ -38,7 +39,7 @@ setup(
         "peers": ["torchft==0.2.0"],
         # megatron-core: format compatibility tests of the indexed datasets (its dataset code needs no GPU)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
-                 "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1",
+                 "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1", "einops>=0.8",
                  "tensorboard>=2.14", "matplotlib>=3.7", "torchft==0.2.0"],
     },
     entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},

@@ -23,7 +23,7 @@ from ..federation.groups import ProcessGroups
 from ..models import build_model
 from ..topology import MESH_DIM_NAMES
 from .common import InitialValues
-from .megatron_cpu import compat_method, install_cpu_rng_tracker
+from .megatron_cpu import compat_method, ensure_memory_buffer, install_cpu_rng_tracker
 from .megatron_model import build_gpt_model, quiet_import_megatron
 from .megatron_names import megatron_layout, megatron_tensor, our_sources, our_tensor
 from .megatron_state import MegatronShardFiles, main_shard_entries
@@ -74,6 +74,7 @@ class MegatronBackend:
         self.model_cfg, self.groups, self.device = run.cfg.model, groups, device
         if device.type == "cpu":
             install_cpu_rng_tracker(t.seed)
+        ensure_memory_buffer()
         pgc = _process_group_collection(groups)
         self.shard_group = pgc.intra_dp_cp
         # on a GPU megatron creates the parameters there directly: no whole-model copy in host memory

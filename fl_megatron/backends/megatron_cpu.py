@@ -13,7 +13,9 @@ active on a machine without CUDA:
 - `torch.cuda.current_device` returns 0 and `torch.cuda.Stream`/`torch.cuda.stream` are inert;
 - megatron's RNG tracker is a `CpuRngTracker`: the same named, forkable states, on the CPU
   generator (dropout draws from it as it would from the CUDA one);
-- megatron's global memory buffer (used by its attention) is created if it is missing.
+- `ensure_memory_buffer()` creates megatron's global memory buffer (used by its attention)
+  when nothing else did (`parallel_state.initialize_model_parallel` does, and refuses to run
+  after it).
 
 On a machine with CUDA, `cpu_compat()` does nothing. The layer is entered around every call
 into megatron-core by `backends.megatron_core` and by `integrations.megatron_lm`; nothing else
@@ -112,7 +114,9 @@ def install_cpu_rng_tracker(seed: int) -> None:
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def _ensure_memory_buffer() -> None:
+def ensure_memory_buffer() -> None:
+    """Create megatron's global memory buffer (its attention needs one) unless it exists; call it
+    after `parallel_state.initialize_model_parallel`, if that runs at all (it creates its own)."""
     from megatron.core import parallel_state
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
@@ -134,7 +138,6 @@ def cpu_compat():
             torch.cuda.Stream = _InertStream
             torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     try:
-        _ensure_memory_buffer()
         with _CudaToCpu():
             yield
     finally:

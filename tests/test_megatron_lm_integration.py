@@ -1,0 +1,260 @@
+"""The Megatron-LM integration (fl_megatron.integrations.megatron_lm) against megatron-core's real
+DDP and DistributedOptimizer, set up as Megatron-LM does it (parallel_state with N distributed-
+optimizer instances), on 4 CPU ranks: the outer sync, the gated gradient reduction (FL+FSDP
+and FL+HSDP, with and without overlap, averaging in the collective), the checkpoint rule, and
+flag validation. The patch series itself: test_megatron_lm_patch.py.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from fl_megatron.backends.megatron_state import main_shard_entries  # noqa: E402
+from fl_megatron.local_ranks import run_ranks  # noqa: E402
+from megatron_lm_helpers import megatron_args  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _grad_check(h, ddp, rank, fed_ranks, tokens, out, key):
+    """Step 1 of a gated model: collectives stay in the federation group; the reduced gradient
+    shard equals the average of the local gradients over the federation group."""
+    h.forward_backward(ddp, tokens)
+    local = h.grad_buffers(ddp).clone()
+    recorder = h.GroupRecorder()
+    with recorder:
+        h.finish(ddp)
+    reduced, mask = h.grad_buffers(ddp), h.own_grad_mask(ddp)
+    everyone = torch.stack(h.gather(local))
+    reference = everyone[list(fed_ranks)].mean(0)
+    out[f"{key}_grad_err"] = (reduced - reference)[mask].abs().max().item()
+    out[f"{key}_grad_vs_world"] = (reduced - everyone.mean(0))[mask].abs().max().item()
+    with recorder:
+        h.step(ddp_optimizer[0])
+    out[f"{key}_ops"] = recorder.ops
+    out[f"{key}_outside"] = [op for op in recorder.ops if not set(op[1]) <= set(fed_ranks)]
+
+
+ddp_optimizer = [None]  # the optimizer _grad_check steps (kept out of its signature for brevity)
+
+
+def _synced(h, loop, ddp, pre_mains):
+    """(main shards identical across peers, max deviation from the pre-sync average, model
+    parameters identical on all ranks, model parameters == main shards)."""
+    mains = torch.cat([m.reshape(-1) for m in loop.main_shards()])
+    peers = [x for r, x in enumerate(h.gather(mains)) if r in loop.groups.peer_ranks]
+    before = [x for r, x in enumerate(h.gather(pre_mains)) if r in loop.groups.peer_ranks]
+    params = h.gather(h.params_flat(ddp))
+    copied = all(torch.equal(p.detach().reshape(-1)[a:b], m.to(p.dtype))
+                 for _, p, m, a, b in main_shard_entries(loop.dist_opts))
+    return (all(torch.equal(x, peers[0]) for x in peers), (mains - torch.stack(before).mean(0)).abs().max().item(),
+            all(torch.equal(x, params[0]) for x in params), copied)
+
+
+def _mains(loop):
+    return torch.cat([m.reshape(-1) for m in loop.main_shards()]).clone()
+
+
+def _integration_job(rank, world):
+    import megatron_lm_helpers as h
+    from megatron.core import parallel_state as ps
+
+    from fl_megatron.integrations.megatron_lm import FederatedOuterLoop
+
+    out = {}
+    # --- FL+FSDP: N = F = 2 instances of 2 ranks, bf16, H = 2 -------------------------------
+    fed = (0, 1) if rank < 2 else (2, 3)
+    base, base_opt = h.build(2, bf16=True, overlap=False)  # megatron's own partial DistOpt (HSDP)
+    h.forward_backward(base, h.batch(rank, 1))
+    recorder = h.GroupRecorder()
+    with recorder:
+        h.finish(base)
+    out["ungated_outside"] = [op for op in recorder.ops if not set(op[1]) <= set(fed)]
+    ddp, opt = h.build(2, bf16=True, overlap=False)
+    loop = FederatedOuterLoop([ddp], opt, num_groups=2, sync_interval=2, train_iters=10, log=lambda s: None)
+    ddp_optimizer[0] = opt
+    _grad_check(h, ddp, rank, fed, h.batch(rank, 1), out, "fsdp")
+    after_step1 = h.params_flat(ddp).clone()
+    out["sync_at_1"] = loop.after_iteration(1)
+    params = h.gather(h.params_flat(ddp))
+    out["differ_before_sync"] = not torch.equal(params[0], params[2])
+    h.train_step(ddp, opt, h.batch(rank, 2))
+    pre = _mains(loop)
+    recorder = h.GroupRecorder()
+    with recorder:
+        out["sync_at_2"] = loop.after_iteration(2)
+    out["sync_ops"] = recorder.ops
+    out["shard_bytes"] = pre.numel() * 4
+    out["synced_2"] = _synced(h, loop, ddp, pre)
+    # checkpoint rule: a save at iteration 3 (not a multiple of H) syncs first, once
+    h.train_step(ddp, opt, h.batch(rank, 3))
+    out["sync_at_3"] = loop.after_iteration(3)
+    out["hash_ok_3_before"] = loop.hash_check_allowed(3)
+    pre = _mains(loop)
+    out["save_3"] = loop.before_save(3)
+    out["synced_3"] = _synced(h, loop, ddp, pre)
+    out["save_3_again"] = loop.before_save(3)
+    out["hash_ok_3_after"] = loop.hash_check_allowed(3)
+
+    # --- the same with --overlap-grad-reduce and --overlap-param-gather ----------------------
+    ddp2, opt2 = h.build(2, bf16=True, overlap=True)
+    loop2 = FederatedOuterLoop([ddp2], opt2, num_groups=2, sync_interval=2, overlap_param_gather=True,
+                               log=lambda s: None)
+    recorder = h.GroupRecorder()
+    with recorder:
+        h.train_step(ddp2, opt2, h.batch(rank, 1))
+        h.forward_backward(ddp2, h.batch(rank, 2))  # the pre-hooks gather step 1's parameters
+    out["overlap_outside"] = [op for op in recorder.ops if not set(op[1]) <= set(fed)]
+    out["overlap_vs_plain_step1"] = (h.params_flat(ddp2) - after_step1).abs().max().item()
+    h.finish(ddp2)
+    h.step(opt2)
+    pre = _mains(loop2)
+    loop2.after_iteration(2)  # copy only: the next forward gathers
+    h.forward_backward(ddp2, h.batch(rank, 3))
+    out["overlap_synced"] = _synced(h, loop2, ddp2, pre)
+
+    # --- FL+HSDP: N = 4 instances of 1 rank, F = 2 groups of P = 2 replicas, fp32 -------------
+    ps.destroy_model_parallel()
+    ddp3, opt3 = h.build(4, bf16=False, overlap=False)
+    loop3 = FederatedOuterLoop([ddp3], opt3, num_groups=2, sync_interval=1, log=lambda s: None)
+    out["hsdp_groups"] = (loop3.groups.peer_ranks, loop3.groups.replica_ranks, loop3.groups.replica_index)
+    ddp_optimizer[0] = opt3
+    _grad_check(h, ddp3, rank, fed, h.batch(rank, 1), out, "hsdp")
+    pre = _mains(loop3)
+    recorder = h.GroupRecorder()
+    with recorder:
+        loop3.after_iteration(1)
+    out["hsdp_sync_ops"] = recorder.ops
+    out["hsdp_shard_bytes"] = pre.numel() * 4
+    out["hsdp_synced"] = _synced(h, loop3, ddp3, pre)
+    # --ddp-average-in-collective: ReduceOp.AVG over the instance, then over the P replicas
+    ddp4, opt4 = h.build(4, bf16=False, overlap=False, average_in_collective=True)
+    args = megatron_args(world_size=4, tensor_model_parallel_size=1, num_distributed_optimizer_instances=4,
+                         fl_num_groups=2, ddp_average_in_collective=True, iteration=0)
+    loop4 = FederatedOuterLoop.from_megatron_args(args, [ddp4], opt4)
+    out["from_args"] = (loop4.groups.replicas, loop4.interval, loop4.train_iters, args.fl_enabled)
+    ddp_optimizer[0] = opt4
+    _grad_check(h, ddp4, rank, fed, h.batch(rank, 1), out, "hsdp_avg")
+    return out
+
+
+def test_outer_loop_gating_and_checkpoint_rule():
+    results = run_ranks(4, _integration_job, timeout=600)
+    for rank, r in enumerate(results):
+        fed = {0, 1} if rank < 2 else {2, 3}
+        peers = {rank % 2, rank % 2 + 2}
+        # megatron's partial DistOpt alone all-reduces across the groups every step; gated, nothing leaves
+        assert any(set(op[1]) == peers for op in r["ungated_outside"]), r["ungated_outside"]
+        for key in ("fsdp", "hsdp", "hsdp_avg"):
+            assert r[f"{key}_outside"] == [], r[f"{key}_outside"]
+            assert r[f"{key}_grad_err"] < 1e-6, (key, r[f"{key}_grad_err"])
+            assert r[f"{key}_grad_vs_world"] > 1e-4, key  # the reference tells the two apart
+        assert r["overlap_outside"] == []
+        assert r["from_args"] == (2, 8, 100, True)
+        # FL+HSDP: the gradient all-reduce over the P = 2 replicas of the group still happens
+        assert any(op[0].startswith("allreduce") and set(op[1]) == fed for op in r["hsdp_ops"]), r["hsdp_ops"]
+        # (i) the outer sync
+        assert r["sync_at_1"] is None and r["differ_before_sync"]
+        assert r["sync_at_2"].startswith("fl-megatron: sync 1 at iteration 2")
+        for key in ("synced_2", "synced_3", "overlap_synced", "hsdp_synced"):
+            same_mains, err, same_params, copied = r[key]
+            assert same_mains and same_params and copied and err < 1e-6, (key, r[key])
+        assert r["overlap_vs_plain_step1"] == 0.0
+        inter = [op for op in r["sync_ops"] if set(op[1]) == peers]
+        assert sum(op[2] for op in inter) == r["shard_bytes"]
+        assert {frozenset(op[1]) for op in r["sync_ops"]} <= {frozenset(peers), frozenset(fed)}
+        # FL+HSDP sync with replica split: half of the shards cross groups, then the replicas exchange
+        assert r["hsdp_groups"] == (sorted(peers), sorted(fed), rank % 2)
+        hsdp_inter = sum(op[2] for op in r["hsdp_sync_ops"] if set(op[1]) == peers)
+        assert hsdp_inter == r["hsdp_shard_bytes"] // 2, (hsdp_inter, r["hsdp_shard_bytes"])
+        # (iii) the checkpoint rule
+        assert r["sync_at_3"] is None and r["hash_ok_3_before"] is False
+        assert r["save_3"].startswith("fl-megatron: sync 2 at iteration 3")
+        assert r["save_3_again"] is None and r["hash_ok_3_after"] is True
+
+
+# --- flags and validation (pure) ---------------------------------------------------------------
+def test_flags_compose_and_take_our_help_texts():
+    import argparse
+
+    from fl_megatron.config.parallel import FederationConfig
+    from fl_megatron.integrations.megatron_lm import add_federation_args, compose_args_providers
+
+    seen = []
+
+    def modelopt(parser):
+        seen.append("modelopt")
+        parser.add_argument("--export-te-mcore-model", action="store_true")
+        return parser
+
+    parser = compose_args_providers(None, modelopt, add_federation_args)(argparse.ArgumentParser())
+    assert seen == ["modelopt"]
+    args = parser.parse_args(["--fl-sync-interval", "4", "--no-fl-replica-split", "--export-te-mcore-model"])
+    given = (args.fl_sync_interval, args.fl_replica_split, args.fl_num_groups, args.fl_disable_sync)
+    assert given == (4, False, None, None)
+    help_text = " ".join(parser.format_help().split())
+    for name in ("sync_interval", "disable_sync", "bucket_mb"):
+        meta = next(f for f in FederationConfig.__dataclass_fields__.values() if f.name == name).metadata["help"]
+        assert " ".join(meta.split()) in help_text, name
+
+
+def _validated(**kw):
+    from fl_megatron.integrations.megatron_lm import validate_federation_args
+
+    args = megatron_args(**kw)
+    warnings = validate_federation_args(args)
+    return args, warnings
+
+
+def test_defaults_resolve_from_the_instances():
+    # no --fl-* flag: Megatron-LM unchanged even with a partial distributed optimizer (HSDP)
+    args, _ = _validated()
+    assert (args.fl_enabled, args.fl_num_groups, args.fl_sync_interval, args.fl_replica_split) == (False, 1, 8, True)
+    # any --fl-* flag: F defaults to N (FL+FSDP); F = 2 of N = 4 is FL+HSDP with P = 2
+    args, _ = _validated(fl_sync_interval=4)
+    assert (args.fl_enabled, args.fl_num_groups, args.fl_replicas) == (True, 4, 1)
+    args, _ = _validated(fl_num_groups=2)
+    assert (args.fl_num_groups, args.fl_replicas, args.fl_sync_interval) == (2, 2, 8)
+    again = megatron_args(**vars(args))
+    from fl_megatron.integrations.megatron_lm import validate_federation_args
+    validate_federation_args(again)  # idempotent
+    assert (again.fl_num_groups, again.fl_replicas) == (2, 2)
+    # --overlap-param-gather, --ddp-average-in-collective and data-parallel random init are fine
+    _validated(fl_num_groups=2, overlap_param_gather=True, ddp_average_in_collective=True)
+    # saves off the sync grid only warn: they sync first
+    _, warnings = _validated(fl_sync_interval=4, save="/ckpt", save_interval=6)
+    assert len(warnings) == 1 and "--save-interval 6" in warnings[0] and "syncs the groups first" in warnings[0]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (dict(world_size=12, tensor_model_parallel_size=8, fl_num_groups=2),
+     "world size 12 is not divisible by TP*PP*CP = 8*1*1 = 8"),
+    (dict(world_size=12, tensor_model_parallel_size=1, fl_num_groups=2, num_distributed_optimizer_instances=8),
+     "DP = world/(TP*PP*CP) = 12/(1*1*1) = 12 is not divisible by --num-distributed-optimizer-instances N=8"),
+    (dict(fl_num_groups=3), "F=3 does not divide --num-distributed-optimizer-instances N=4"),
+    (dict(fl_num_groups=2, num_distributed_optimizer_instances=1), "it is 1"),
+    (dict(fl_sync_interval=8, num_distributed_optimizer_instances=1), "single federation group"),
+    (dict(fl_num_groups=2, pipeline_model_parallel_size=2),
+     "federation group 0 of 2 the ranks 0-3, 8-11 of 16"),
+    (dict(fl_num_groups=2, use_distributed_optimizer=False), "--use-distributed-optimizer is required"),
+    (dict(fl_num_groups=2, use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
+    (dict(fl_num_groups=2, calculate_per_token_loss=True), "--calculate-per-token-loss"),
+    (dict(fl_num_groups=2, overlap_param_gather_with_optimizer_step=True), "in flight"),
+    (dict(fl_num_groups=2, num_experts=8), "--num-experts 8"),
+    (dict(fl_num_groups=2, check_weight_hash_across_dp_replicas_interval=12),
+     "interval 12 must be a multiple of --fl-sync-interval H=8"),
+    (dict(fl_num_groups=2, fl_disable_sync=True, save="/ckpt"), "a checkpoint would mix their weights"),
+    (dict(fl_num_groups=2, fl_sync_interval=-1), "--fl-sync-interval -1 must be >= 0"),
+])
+def test_validation_names_the_problem(overrides, expected):
+    with pytest.raises(ValueError, match="fl-megatron: invalid federated settings") as err:
+        _validated(**overrides)
+    assert expected in str(err.value)
+
+
+def test_pipeline_parallel_fits_with_dp_outermost():
+    from fl_megatron.integrations.megatron_lm_args import federation_group_ranks
+
+    args, _ = _validated(fl_num_groups=2, pipeline_model_parallel_size=2, use_tp_pp_dp_mapping=True)
+    assert federation_group_ranks(args, 1) == list(range(8, 16))
