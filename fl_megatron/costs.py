@@ -202,7 +202,7 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              largest_layer_params: Optional[int] = None,
                              flash_attention: bool = True,
                              recompute: bool = False, replicated_params: bool = False,
-                             grad_bytes: int = 4) -> Dict[str, float]:
+                             grad_bytes: int = 4, outer_state_shards: int = 0) -> Dict[str, float]:
     """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
 
     Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
@@ -217,8 +217,10 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
     `replicated_params` (megatron-core's distributed optimizer): every rank holds the whole model
     in its dtype and a whole gradient buffer of `grad_bytes` per element; fp32 main shards exist
     only beside bf16 params.
+    `outer_state_shards`: fp32 shard-sized buffers of the sync (anchor, outer optimizer state,
+    error feedback), reported as outer_state.
     Keys: master_params, gradients, optimizer_states, working_params, activations,
-    logits, total.
+    logits, outer_state (when there is one), total.
     """
     _check_params(num_params)
     opt = optimizer.lower()
@@ -245,6 +247,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
     if replicated_params:
         parts.update(master_params=4 * num_params / s if bf16 else 0.0, gradients=float(grad_bytes * num_params),
                      working_params=float(num_params * param_bytes))
+    if outer_state_shards:
+        parts["outer_state"] = 4.0 * outer_state_shards * num_params / s
     parts["total"] = sum(parts.values())
     return parts
 

@@ -59,12 +59,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .training.trainer import Trainer
     import torch.distributed as dist
 
+    from .federation.health import AllGroupsSick
+
     trainer = Trainer(run, env, samples)
     try:
         trainer.train()
         # Leave together: a rank tearing down gloo while a peer is still in its last
         # collectives can abort the peer at exit.
         dist.barrier()
+    except AllGroupsSick as e:  # every rank decided it together: no rank is left waiting
+        if env.rank == 0:
+            print(f"fl_megatron.pretrain: error: {e}", file=sys.stderr, flush=True)
+        return 3
     finally:
         trainer.close()
         if dist.is_initialized():

@@ -38,8 +38,8 @@ def _same_parameters(a: Path, b: Path) -> bool:
     return all(torch.equal(ra.tensor(n, g), rb.tensor(n, g)) for n in ra.names for g in ra.groups)
 
 
-def _exact_resume(tmp: Path, backend: str) -> None:
-    cache, flags = tmp / "cache", [*ADAMW, "--backend", backend]
+def _exact_resume(tmp: Path, backend: str, *extra: str) -> None:
+    cache, flags = tmp / "cache", [*ADAMW, "--backend", backend, *extra]
     reference = run_pretrain(4, tmp / "ref", cache, *flags, "--save", str(tmp / "ref_ckpt"))
     ckpt = str(tmp / "ckpt")
     # K = 3 steps, then exit (saving first)
@@ -72,6 +72,13 @@ def test_fsdp2_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
 @NEEDS_DEEPSPEED
 def test_deepspeed_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "deepspeed")
+
+
+def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path):
+    """The anchors, Nesterov momentum and int8 error-feedback residuals are saved per rank."""
+    _exact_resume(tmp_path, "fsdp2", "--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
+                  "--fl-error-feedback")
+    assert len(list((tmp_path / "ckpt" / "iter_0000006" / "outer").glob("rank_*.safetensors"))) == 4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")

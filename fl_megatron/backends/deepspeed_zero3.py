@@ -204,6 +204,10 @@ class DeepSpeedBackend:
         """The flat fp32 master partitions, one per optimizer sub-group (updated in place)."""
         return list(self.optimizer.fp32_partitioned_groups_flat)
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
+        self.optimizer.optimizer.state.clear()
+
     @torch.no_grad()
     def refresh_after_sync(self) -> None:
         """Copy masters into the working partitions, re-gather the persistent parameters

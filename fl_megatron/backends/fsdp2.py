@@ -131,6 +131,10 @@ class FSDP2Backend:
         return [self._flat.narrow(0, a, b) if kind == "flat" else a.to_local()
                 for kind, a, b in self._shard_list]
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
+        self.optimizer.state.clear()
+
     def refresh_after_sync(self) -> None:
         """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""
 

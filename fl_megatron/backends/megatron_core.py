@@ -155,6 +155,11 @@ class MegatronBackend:
         """The fp32 main shards the inner optimizer updates, in megatron's (deterministic) order."""
         return [main for _, main, _, _ in self._main_pairs()]
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
+        for opt in self._dist_opts:
+            opt.optimizer.state.clear()
+
     @compat_method
     def refresh_after_sync(self) -> None:
         """Copy the main shards into the model parameters' buffer and all-gather it in the group."""

@@ -12,8 +12,8 @@ from ..faults import fault_point
 from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
 from .metadata import build_metadata, find_checkpoint, manifest, source_groups
-from .paths import (METADATA, clear_staging, group_dir, iteration_dir, prune, publish, read_tracker, rng_file,
-                    staging_dir, write_text_durably)
+from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_file, prune, publish, read_tracker,
+                    rng_file, staging_dir, write_text_durably)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -60,6 +60,11 @@ class Checkpointer:
         rng = rng_file(staging, self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
         save_file(_rng_state(), str(rng))
+        outer = self.engine.state_tensors()
+        if outer:
+            path = outer_file(staging, self.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().cpu().contiguous() for k, v in outer.items()}, str(path))
         fault_point("checkpoint-write", iteration)
         dist.barrier()
         if self.is_writer:
@@ -95,6 +100,13 @@ class Checkpointer:
         else:
             notes.append("random states re-seeded (another world size)")
         self.engine.last_synced_step = meta["federation"]["last_synced_step"]
+        outer = outer_file(path, self.rank)
+        if meta["layout"]["world_size"] == self.run.layout.world_size and outer.is_file():
+            self.engine.load_state_tensors(load_file(str(outer), device=str(self.engine.groups.mesh.device_type)))
+        elif self.engine.outer is not None or self.run.cfg.federation.error_feedback:
+            self.engine.restart_outer_state()
+            notes.append("outer optimizer state and error-feedback residuals restarted from the loaded weights "
+                         "(none saved for this layout)")
         iteration = meta["iteration"]
         say(f"  resumed from {path} (step {iteration}"
             + ("" if self.options.load_optim else ", optimizer state not loaded") + ")"

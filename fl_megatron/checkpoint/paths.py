@@ -35,6 +35,11 @@ def rng_file(checkpoint: Path, rank: int) -> Path:
     return Path(checkpoint) / "rng" / f"rank_{rank:05d}.safetensors"
 
 
+def outer_file(checkpoint: Path, rank: int) -> Path:
+    """This rank's outer-optimizer anchors and state and error-feedback residuals."""
+    return Path(checkpoint) / "outer" / f"rank_{rank:05d}.safetensors"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -4,6 +4,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
+OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
+SYNC_DTYPES = ("fp32", "bf16", "int8")
+# the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
+DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
 
 
 @dataclass
@@ -59,6 +63,46 @@ class FederationConfig:
         default=32.0, metadata={"help": "size of the buckets that pack small shards into one collective (MiB)"})
     disable_sync: bool = field(
         default=False, metadata={"help": "never average the groups (independent groups; same as H = 0)"})
+    outer_optimizer: str = field(
+        default="fedavg", metadata={"help": "what a sync does with the averaged pseudo-gradient (round-start anchor "
+                                            "minus local shard): fedavg (anchor - lr * it; lr 1 is the plain "
+                                            "average), nesterov (DiLoCo's outer SGD with Nesterov momentum) or adam"})
+    outer_lr: Optional[float] = field(
+        default=None, metadata={"help": "outer learning rate (default: fedavg 1.0, nesterov 0.7, adam 0.001)"})
+    outer_momentum: float = field(
+        default=0.9, metadata={"help": "outer Nesterov momentum (nesterov) or Adam beta1 (adam)"})
+    sync_dtype: str = field(
+        default="fp32", metadata={"help": "what crosses groups at a sync: fp32 (exact), bf16, or int8 with one fp32 "
+                                          "scale per block of 256 (summed in fp32 either way)"})
+    sick_loss_ratio: float = field(
+        default=0.0, metadata={"help": "at a sync, also leave out (and reset to the others' average) a group whose "
+                                       "loss exceeds this many times the best group's; 0 disables (groups with "
+                                       "NaN/Inf shards are always left out)"})
+    error_feedback: bool = field(
+        default=False, metadata={"help": "bf16/int8 sync: carry each rank's compression error into its next sync "
+                                         "(one more fp32 shard per rank)"})
+
+    @property
+    def resolved_outer_lr(self) -> float:
+        return DEFAULT_OUTER_LR.get(self.outer_optimizer, 1.0) if self.outer_lr is None else self.outer_lr
+
+    @property
+    def plain_average(self) -> bool:
+        """Whether a sync is today's exact FedAvg of fp32 shards (no anchor, no compression)."""
+        return self.outer_optimizer == "fedavg" and self.resolved_outer_lr == 1.0 and self.sync_dtype == "fp32"
+
+    @property
+    def sync_bytes_per_element(self) -> float:
+        """Bytes one shard element occupies on the inter-group wire (int8: plus its block's scale)."""
+        return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}[self.sync_dtype]
+
+    @property
+    def outer_state_shards(self) -> int:
+        """fp32 shard-sized buffers a rank keeps for the sync: anchor and outer optimizer state
+        (fedavg lr != 1 or compressed: 1, nesterov: 2, adam: 3), plus one for error feedback."""
+        if self.plain_average:
+            return 0
+        return {"fedavg": 1, "nesterov": 2, "adam": 3}[self.outer_optimizer] + int(self.error_feedback)
 
     @property
     def syncing(self) -> bool:
@@ -75,5 +119,17 @@ class FederationConfig:
             errors.append(f"sync_interval={self.sync_interval} must be >= 0 (0 disables syncing)")
         if self.bucket_mb <= 0:
             errors.append(f"bucket_mb={self.bucket_mb} must be positive")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            errors.append(f"outer_optimizer={self.outer_optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
+        if self.outer_lr is not None and self.outer_lr <= 0:
+            errors.append(f"outer_lr={self.outer_lr} must be positive")
+        if not 0 <= self.outer_momentum < 1:
+            errors.append(f"outer_momentum={self.outer_momentum} must lie in [0, 1)")
+        if self.sick_loss_ratio != 0 and self.sick_loss_ratio <= 1:
+            errors.append(f"sick_loss_ratio={self.sick_loss_ratio} must be above 1 (or 0: off)")
+        if self.sync_dtype not in SYNC_DTYPES:
+            errors.append(f"sync_dtype={self.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}")
+        elif self.error_feedback and self.sync_dtype == "fp32":
+            errors.append("error_feedback needs a compressed sync (sync_dtype bf16 or int8): fp32 loses nothing")
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))

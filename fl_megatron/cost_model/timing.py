@@ -26,7 +26,7 @@ class Workload:
     micro_batches: int
     tokens_per_step: int
     compute_seconds: float
-    master_bytes: int = 4
+    master_bytes: float = 4  # bytes per shard element on the inter-group wire (--fl-sync-dtype)
     eval_forwards: int = 0
     gathered_once: bool = False
 

@@ -57,4 +57,5 @@ def workload_for(run: ResolvedRun, compute_seconds: Optional[float] = None,
                     units=blocks + 1, param_bytes=param_bytes, grad_bytes=grad_bytes,
                     micro_batches=run.accumulation, tokens_per_step=run.tokens_per_step,
                     compute_seconds=compute_seconds, eval_forwards=t.eval_iters,
+                    master_bytes=cfg.federation.sync_bytes_per_element,
                     gathered_once=cfg.parallel.backend == "megatron")

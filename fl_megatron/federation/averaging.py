@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .chunks import Chunk, plan_chunks
+from .compression import compressed_mean_
 from .ledger import CommLedger
 
 MAX_PACKED_IN_FLIGHT = 2  # packed bucket buffers alive at once (double buffering)
@@ -70,6 +71,7 @@ class _InFlight:
     stride: int                   # sampling stride for the variance metric
     sample: torch.Tensor          # own values of the sampled blocks, before averaging
     work: Optional[dist.Work] = field(default=None)
+    divisor: Optional[int] = None  # a SUM to divide (some groups left out); None: averaged already
 
 
 class ShardAverager:
@@ -78,7 +80,8 @@ class ShardAverager:
     def __init__(self, peer_group, num_groups: int, *, replica_group=None, replicas: int = 1,
                  replica_index: int = 0, replica_split: bool = True, bucket_bytes: int = 32 << 20,
                  max_samples: int = 1 << 18, ledger: Optional[CommLedger] = None,
-                 peer_tier: str = "inter-node", replica_tier: str = "intra-node") -> None:
+                 peer_tier: str = "inter-node", replica_tier: str = "intra-node",
+                 sync_dtype: str = "fp32", error_feedback: bool = False) -> None:
         if num_groups < 1 or replicas < 1 or not 0 <= replica_index < replicas:
             raise ValueError(f"num_groups={num_groups}, replicas={replicas}, "
                              f"replica_index={replica_index} are inconsistent")
@@ -93,6 +96,8 @@ class ShardAverager:
         self.max_samples = max_samples
         self.ledger = ledger
         self.peer_tier, self.replica_tier = peer_tier, replica_tier
+        self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
 
     def plan(self, shards: list[torch.Tensor]) -> list[Chunk]:
         """How `shards` are cut into collectives (same on every rank of a peer group)."""
@@ -101,8 +106,12 @@ class ShardAverager:
                            replicas=self.split)
 
     @torch.no_grad()
-    def average(self, shards: list[torch.Tensor]) -> SyncStats:
-        """Replace every shard by its average over the federation groups, in place."""
+    def average(self, shards: list[torch.Tensor], include: bool = True,
+                contributors: Optional[int] = None) -> SyncStats:
+        """Replace every shard by its average over the federation groups, in place.
+
+        `contributors` < the number of groups leaves some groups out: those ranks pass
+        `include=False`, send zeros, and receive the mean of the others."""
         for i, s in enumerate(shards):
             if not s.is_contiguous():
                 raise ValueError(f"shard {i} is not contiguous; the backend must hand out contiguous shards")
@@ -117,17 +126,20 @@ class ShardAverager:
         sums = torch.zeros(2, dtype=torch.float64, device=shards[0].device if shards else "cpu")
         pending: deque[_InFlight] = deque()
         packed_alive = 0
-        for chunk in chunks:
+        left_out = contributors is not None and contributors != self.num_groups
+        for index, chunk in enumerate(chunks):
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
                 packed_alive -= self._finish(pending.popleft(), flats, stats, sums)
-            pending.append(self._start(chunk, flats, stride, stats))
+            pending.append(self._start(chunk, flats, stride, stats, index, include,
+                                       contributors if left_out else None))
             packed_alive += not chunk.inplace
         while pending:
             self._finish(pending.popleft(), flats, stats, sums)
         stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
         return stats
 
-    def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats) -> _InFlight:
+    def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats, index: int = 0,
+               include: bool = True, contributors: Optional[int] = None) -> _InFlight:
         if chunk.inplace:
             seg = chunk.segments[0]
             buffer = flats[seg.index].narrow(0, seg.start, seg.length)
@@ -140,20 +152,38 @@ class ShardAverager:
         region = buffer.narrow(0, start, part)
         valid = max(0, min(part, chunk.length - start))
         sample = _sampled(region, valid, stride).clone()
-        work = dist.all_reduce(region, op=dist.ReduceOp.AVG, group=self.peer_group, async_op=True)
-        nbytes = region.numel() * region.element_size()
+        work, divisor = None, None
+        if self.sync_dtype != "fp32":
+            residual = None
+            if self.error_feedback:
+                residual = self.residuals.setdefault(index, torch.zeros_like(region))
+            nbytes = compressed_mean_(region, self.peer_group, self.sync_dtype, include=include,
+                                      contributors=contributors, residual=residual)
+        else:
+            if contributors is None:  # the exact path: every group contributes
+                work = dist.all_reduce(region, op=dist.ReduceOp.AVG, group=self.peer_group, async_op=True)
+            else:
+                if not include:
+                    region.zero_()
+                work = dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.peer_group, async_op=True)
+                divisor = contributors
+            nbytes = region.numel() * region.element_size()
         stats.inter_group_bytes += nbytes
         stats.collectives += 1
         if self.ledger is not None:
             self.ledger.add("inter-group", self.peer_tier, nbytes)
-        return _InFlight(chunk, buffer, region, valid, stride, sample, work)
+        return _InFlight(chunk, buffer, region, valid, stride, sample, work, divisor)
 
     def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats,
                 sums: torch.Tensor) -> int:
         """Complete one piece; returns 1 if it freed a packed buffer."""
-        item.work.wait()
+        if item.work is not None:
+            item.work.wait()
+        if item.divisor is not None:
+            item.region.div_(item.divisor)
         averaged = _sampled(item.region, item.valid, item.stride).double()
-        sums[0] += (item.sample.double() - averaged).pow(2).sum()
+        # a left-out group's own values may be non-finite: they count as its distance from the mean
+        sums[0] += (item.sample.double().nan_to_num(0.0, 0.0, 0.0) - averaged).pow(2).sum()
         sums[1] += averaged.pow(2).sum()
         stats.samples += item.sample.numel()
         if self.split > 1:

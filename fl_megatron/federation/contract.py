@@ -47,6 +47,11 @@ class TrainingBackend(ShardOwner, Protocol):
         """Unsharded fp32 parameters on every rank (small models and tests only)."""
         ...
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the inner optimizer's state (moments): a group left out of a sync as sick
+        restarts from the average with fresh moments."""
+        ...
+
     def save_state(self, directory: Path, write: bool) -> None:
         """Save this group's model and optimizer state into `directory` (collective: every rank
         of the job calls it; ranks with `write=False` take part without writing)."""

@@ -11,7 +11,9 @@ from ..config.parallel import FederationConfig
 from .averaging import ShardAverager, SyncStats
 from .contract import ShardOwner
 from .groups import ProcessGroups
+from .health import AllGroupsSick, sick_groups
 from .ledger import CommLedger
+from .outer import OuterOptimizer
 from .schedule import sync_due
 
 
@@ -25,6 +27,7 @@ class SyncResult:
     intra_group_bytes: int
     variance: float     # mean over parameter elements of the variance across groups (sampled)
     param_rms: float    # root mean square of the averaged parameters (same sample)
+    sick_groups: tuple = ()  # groups left out of this average and reset to it
 
 
 class FederationEngine:
@@ -43,34 +46,84 @@ class FederationEngine:
             replica_group=groups.replica if layout.is_hsdp else None, replicas=layout.replicas,
             replica_index=replica_index, replica_split=config.replica_split,
             bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
-            peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"))
+            peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"),
+            sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
         self.last_synced_step = 0
+        # outer optimizer (anchor + state shards) unless a sync is today's exact fp32 FedAvg
+        self.outer = None
+        if self.active and not config.plain_average:
+            self.outer = OuterOptimizer(backend.local_shards(), config.outer_optimizer,
+                                        config.resolved_outer_lr, config.outer_momentum)
 
     @property
     def active(self) -> bool:
         """Whether this run averages at all (several groups, syncing enabled)."""
         return self.groups.layout.is_federated and self.config.syncing
 
-    def after_step(self, step: int, last: bool = False) -> Optional[SyncResult]:
-        """Call after optimizer step `step` (1-based); syncs when due and returns what it did."""
+    def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None) -> Optional[SyncResult]:
+        """Call after optimizer step `step` (1-based), with this rank's loss of that step; syncs
+        when due and returns what it did."""
         interval = self.config.sync_interval if self.config.syncing else 0
         if not sync_due(step, interval, last, self.groups.layout.is_federated):
             return None
-        return self.sync(step)
+        return self.sync(step, loss)
 
-    def sync(self, step: int) -> SyncResult:
-        """Average now (collective over all ranks)."""
+    def sync(self, step: int, loss: Optional[torch.Tensor] = None) -> SyncResult:
+        """Average now (collective over all ranks). Groups whose shards hold NaN/Inf (or whose
+        loss is past --fl-sick-loss-ratio times the best group's) are left out and reset to the
+        average of the others; AllGroupsSick if no group is left."""
         start = time.perf_counter()
-        stats = self.averager.average(self.backend.local_shards())
+        shards = self.backend.local_shards()
+        layout, group = self.groups.layout, self.groups.coords[0]
+        sick = sick_groups(shards, None if loss is None else float(loss), group, layout.num_groups,
+                           self.config.sick_loss_ratio, self.groups.mesh.device_type)
+        if len(sick) == layout.num_groups:
+            raise AllGroupsSick(f"every federation group is sick at step {step} (non-finite shards or a diverged "
+                                "loss): nothing is left to average; stopping without saving")
+        include, contributors = group not in sick, (layout.num_groups - len(sick) if sick else None)
+        if self.outer is not None:
+            self.outer.to_pseudo_gradients(shards)
+        stats = self.averager.average(shards, include, contributors)
+        if self.outer is not None:
+            self.outer.step(shards)
+        if not include and hasattr(self.backend, "reset_optimizer_state"):
+            self.backend.reset_optimizer_state()
         self.backend.refresh_after_sync()
         seconds = time.perf_counter() - start
         self.last_synced_step = step
-        variance, rms = self._global_metrics(stats)
-        return SyncResult(step, seconds, stats.inter_group_bytes, stats.intra_group_bytes, variance, rms)
+        variance, rms = self._global_metrics(stats, shards if self.outer is not None else None)
+        return SyncResult(step, seconds, stats.inter_group_bytes, stats.intra_group_bytes, variance, rms,
+                          tuple(sick))
 
-    def _global_metrics(self, stats: SyncStats) -> tuple[float, float]:
-        """Variance across groups and parameter rms, pooled over every rank's sample."""
-        totals = torch.tensor([stats.sq_dev_sum, stats.sq_mean_sum, float(stats.samples)],
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's outer-optimizer anchors and state, and error-feedback residuals (empty for
+        the plain average): what an exact resume needs beyond the backend's state."""
+        out = dict(self.outer.state_tensors()) if self.outer is not None else {}
+        out.update({f"residual.{i}": r for i, r in self.averager.residuals.items()})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.outer is not None:
+            self.outer.load_state_tensors(tensors)
+        self.averager.residuals = {int(k.split(".")[1]): v.clone() for k, v in tensors.items()
+                                   if k.startswith("residual.")}
+
+    def restart_outer_state(self) -> None:
+        """Anchors from the current (loaded) shards, fresh outer state and residuals."""
+        if self.outer is not None:
+            self.outer = OuterOptimizer(self.backend.local_shards(), self.config.outer_optimizer,
+                                        self.config.resolved_outer_lr, self.config.outer_momentum)
+        self.averager.residuals = {}
+
+    def _global_metrics(self, stats: SyncStats, shards=None) -> tuple[float, float]:
+        """Variance across groups and parameter rms, pooled over every rank's sample. With an
+        outer optimizer the averaged values were pseudo-gradients (same variance across
+        groups: the anchors are equal); the rms is then taken over the new shards."""
+        sq_mean = stats.sq_mean_sum
+        if shards is not None:  # the mean square over every element, weighted like the sample
+            elements = max(1, sum(s.numel() for s in shards))
+            sq_mean = sum(float(s.double().pow(2).sum()) for s in shards) * stats.samples / elements
+        totals = torch.tensor([stats.sq_dev_sum, sq_mean, float(stats.samples)],
                               dtype=torch.float64, device=self.groups.mesh.device_type)
         dist.all_reduce(totals)
         sq_dev, sq_mean, count = totals.tolist()

@@ -45,4 +45,10 @@ def federation_line(layout: Layout, fed: FederationConfig) -> str:
     if not fed.syncing:
         return "  federation: averaging disabled (independent groups)"
     split = f", {'replica split' if fed.replica_split else 'naive'} HSDP averaging" if layout.is_hsdp else ""
-    return f"  federation: average every {fed.sync_interval} steps and after the last{split}"
+    outer = ""
+    if not fed.plain_average:
+        outer = f", outer {fed.outer_optimizer} lr {fed.resolved_outer_lr:g}"
+        if fed.outer_optimizer != "fedavg":
+            outer += f" momentum {fed.outer_momentum:g}"
+        outer += f", {fed.sync_dtype} sync" + (" with error feedback" if fed.error_feedback else "")
+    return f"  federation: average every {fed.sync_interval} steps and after the last{split}{outer}"

@@ -72,14 +72,15 @@ def dry_run_report(run: ResolvedRun) -> str:
                                       optimizer=t.optimizer, largest_layer_params=max(largest, root),
                                       recompute=t.recompute_activations,
                                       replicated_params=cfg.parallel.backend == "megatron",
-                                      grad_bytes=gradient_bytes(cfg))
+                                      grad_bytes=gradient_bytes(cfg),
+                                      outer_state_shards=fed.outer_state_shards if fed.syncing and layout.is_federated else 0)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
                          gathered_once=once)
-    sync = sync_comm(layout, num_params, master_bytes=4, replica_split=fed.replica_split)
+    sync = sync_comm(layout, num_params, master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split)
     amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg),
-                                 master_bytes=4, replica_split=fed.replica_split,
+                                 master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
                                  micro_batches=accum, gathered_once=once)
     lines = [
         "fl-megatron dry run (no processes started)",

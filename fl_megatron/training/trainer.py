@@ -13,6 +13,7 @@ from ..checkpoint import Checkpointer, initial_values_for
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
 from ..data import eval_batches
+from ..faults import nan_requested
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
@@ -108,7 +109,13 @@ class Trainer:
         lr = learning_rate(step, self.cfg.training)
         loss, norm, lr = self._measured(self._step_traffic, lambda: self._train_step(step, lr))
         done = step + 1
-        sync = self.engine.after_step(done, last=done == self.cfg.training.train_iters)
+        if nan_requested(self.groups.coords[0], done):  # a sick group, for tests (FL_MEGATRON_FAULT)
+            with torch.no_grad():
+                self.backend.local_shards()[0].view(-1)[0] = math.nan
+        sync = self.engine.after_step(done, last=done == self.cfg.training.train_iters, loss=loss)
+        if sync is not None and sync.sick_groups:
+            say(f"  step {done}: federation group(s) {', '.join(map(str, sync.sick_groups))} left out of the "
+                "average (non-finite shards or a diverged loss) and reset to the others' average", self.is_writer)
         return loss, norm, lr, sync
 
     def _measured(self, calibrated: _Calibrated, work):
@@ -202,6 +209,8 @@ class Trainer:
         }
         if sync is not None:
             record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+            if sync.sick_groups:
+                record["sick_groups"] = list(sync.sick_groups)
         self.records.log(record)
         say(progress_line(record, self.cfg.training.train_iters, eta), self.is_writer)
         return stats[0]

@@ -1,0 +1,178 @@
+"""Outer optimizers, compressed syncs and sick groups.
+
+References: a plain-torch DiLoCo step (outer SGD with Nesterov momentum) on the gathered models;
+the per-block int8 bound; error feedback's telescoping sum; the average of the healthy groups
+computed directly from their gathered parameters.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fl_megatron.federation.compression import BLOCK, compressed_mean_, dequantize_int8, quantize_int8
+from fl_megatron.federation.health import AllGroupsSick
+from fl_megatron.local_ranks import run_ranks
+from fl_test_utils import make_trainer, max_diff, tiny_config, train_and_gather
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_int8_round_trip_within_half_a_step_per_block():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * BLOCK, generator=g) * torch.logspace(-6, 2, 64).repeat_interleave(BLOCK)
+    x[:BLOCK] = 0.0  # an all-zero block stays zero
+    q, scales = quantize_int8(x)
+    err = (dequantize_int8(q, scales) - x).view(-1, BLOCK).abs().amax(dim=1)
+    assert q.dtype == torch.int8 and scales.shape == (64,)
+    assert torch.all(err <= scales / 2 * (1 + 1e-5) + 1e-30)
+    assert err[0] == 0 and scales[0] == 0
+
+
+def test_error_feedback_keeps_the_sum_of_what_was_sent_on_track(world):
+    """Over many syncs the sum of what a rank sent equals the sum of its true pseudo-gradients
+    up to the last residual, which stays bounded; without error feedback the gap grows."""
+    g = torch.Generator().manual_seed(1)
+    n, rounds = 4 * BLOCK, 300
+    residual = torch.zeros(n)
+    true_sum, sent_ef, sent_plain = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    largest = []
+    for _ in range(rounds):
+        delta = torch.randn(n, generator=g) * 1e-3 + 2e-4  # a small drift the rounding would lose
+        true_sum += delta
+        with_ef, plain = delta.clone(), delta.clone()
+        compressed_mean_(with_ef, world, "int8", residual=residual)
+        compressed_mean_(plain, world, "int8")
+        sent_ef += with_ef
+        sent_plain += plain
+        largest.append(float(residual.abs().max()))
+    scale_bound = float(quantize_int8(torch.full((BLOCK,), 5e-3))[1][0])  # a block's step at |x| ~ 5e-3
+    assert max(largest) <= 2 * scale_bound  # bounded, not growing with the rounds
+    assert (sent_ef - true_sum).abs().max() <= 2 * scale_bound + 1e-6
+    assert (sent_plain - true_sum).abs().max() > 5 * (sent_ef - true_sum).abs().max()
+
+
+def _outer_job(rank, world, tmp, cache):
+    out = {}
+    base = lambda name, **kw: tiny_config(f"{tmp}/{name}", cache, group_size=2, optimizer="adamw",  # noqa: E731
+                                          lr=3e-3, steps=4, sync_interval=2, **kw)
+    # fedavg with outer lr 1 in fp32 is today's average, bit for bit
+    _, plain = train_and_gather(base("plain"))
+    cfg = base("fedavg1")
+    cfg.federation.outer_optimizer, cfg.federation.outer_lr = "fedavg", 1.0
+    _, fedavg1 = train_and_gather(cfg)
+    out["fedavg1_vs_plain"] = max_diff(fedavg1, plain)
+    # nesterov against plain-torch DiLoCo on the gathered models, over two rounds
+    cfg = base("nesterov", bf16=False)
+    cfg.federation.outer_optimizer, cfg.federation.outer_lr, cfg.federation.outer_momentum = "nesterov", 0.7, 0.9
+    cfg.federation.sync_interval, cfg.training.train_iters = 100, 10  # syncs are called by hand below
+    trainer = make_trainer(cfg)
+    anchor = {k: v.clone() for k, v in trainer.backend.full_state_dict().items()}
+    reference = torch.optim.SGD(list(anchor.values()), lr=0.7, momentum=0.9, nesterov=True)
+    gaps = []
+    for round_ in range(2):
+        for i in range(2):
+            trainer.step(2 * round_ + i)
+        mine = trainer.backend.full_state_dict()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        groups = [everyone[0], everyone[2]]  # ranks 0-1 are group 0, ranks 2-3 group 1
+        for name, a in anchor.items():
+            a.grad = a - (groups[0][name] + groups[1][name]) / 2
+        reference.step()
+        trainer.engine.sync(2 * round_ + 2)
+        after = trainer.backend.full_state_dict()
+        gaps.append(max(((after[k] - anchor[k]).abs().max() / anchor[k].abs().max().clamp_min(1e-12)).item()
+                        for k in anchor))
+    out["nesterov_vs_reference"] = gaps
+    out["outer_state_bytes"] = sum(t.numel() * t.element_size() for t in trainer.engine.state_tensors().values())
+    out["shard_bytes"] = sum(s.numel() * s.element_size() for s in trainer.backend.local_shards())
+    trainer.close()
+    # int8 with error feedback: groups identical after a sync, payload about a quarter of fp32
+    cfg = base("int8")
+    cfg.federation.outer_optimizer, cfg.federation.sync_dtype, cfg.federation.error_feedback = "nesterov", "int8", True
+    trainer = make_trainer(cfg)
+    results = [trainer.step(i)[3] for i in range(2)]
+    out["int8_payload_ratio"] = results[1].inter_group_bytes / out["shard_bytes"]
+    out["int8_identical"] = _peers_equal(trainer)
+    trainer.close()
+    return out
+
+
+def _peers_equal(trainer) -> bool:
+    from fl_test_utils import peers_identical
+
+    return peers_identical(trainer)
+
+
+def test_outer_optimizers_and_compressed_sync(tmp_path):
+    results = run_ranks(4, _outer_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    for rank, r in enumerate(results):
+        assert r["fedavg1_vs_plain"] == 0.0, r
+        assert max(r["nesterov_vs_reference"]) <= 1e-6, r
+        assert r["outer_state_bytes"] == 2 * r["shard_bytes"]  # anchor + momentum: one fp32 shard each
+        assert 0.25 <= r["int8_payload_ratio"] <= 0.27, r  # int8 + one fp32 scale per 256 (plus padding)
+        assert r["int8_identical"], r
+
+
+def _sick_job(rank, world, tmp, cache):
+    out = {}
+    cfg = tiny_config(f"{tmp}/sick", cache, group_size=1, optimizer="adamw", lr=3e-3, steps=6, sync_interval=100)
+    trainer = make_trainer(cfg)
+    for step in range(2):
+        trainer.step(step)
+    os.environ["FL_MEGATRON_FAULT"] = "nan-shard:3@3"  # group 3 (rank 3) turns sick after step 3
+    loss = trainer.step(2)[0]
+    del os.environ["FL_MEGATRON_FAULT"]
+    mine = trainer.backend.full_state_dict()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    out["sick_has_nan"] = any(bool(torch.isnan(v).any()) for v in everyone[3].values())
+    expected = {k: sum(everyone[g][k] for g in range(3)) / 3 for k in mine}
+    result = trainer.engine.sync(3, loss)
+    out["sick_groups"] = list(result.sick_groups)
+    out["vs_healthy_mean"] = max_diff(trainer.backend.full_state_dict(), expected)
+    trainer.step(3)
+    out["finite_after"] = all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards())
+    for shard in trainer.backend.local_shards():
+        shard.view(-1)[0] = float("inf")
+    try:
+        trainer.engine.sync(4)
+        out["all_sick"] = "no error"
+    except AllGroupsSick as e:
+        out["all_sick"] = str(e)
+    trainer.close()
+    return out
+
+
+def test_a_sick_group_is_left_out_and_reset_to_the_others_average(tmp_path):
+    results = run_ranks(4, _sick_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    for rank, r in enumerate(results):
+        assert r["sick_has_nan"] and r["sick_groups"] == [3], r
+        assert r["vs_healthy_mean"] <= 1e-6, r
+        assert r["finite_after"], r
+        assert "every federation group is sick at step 4" in r["all_sick"], r
+
+
+def test_sick_groups_through_the_command_line(tmp_path):
+    """A NaN in group 1's shards: the run finishes and names the group; every group sick: the run
+    stops with a message (exit 3) and the last checkpoint stays the latest."""
+    import json
+
+    from cli_utils import SGD, launch
+    from fl_megatron.checkpoint import published_iterations
+
+    flags = [*SGD, "--fl-group-size", "2", "--fl-sync-interval", "2", "--train-iters", "4", "--eval-iters", "0"]
+    one = launch(4, tmp_path / "one", tmp_path / "cache", *flags, env_extra={"FL_MEGATRON_FAULT": "nan-shard:1@2"})
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "step 2: federation group(s) 1 left out of the average" in one.stdout
+    records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("sick_groups") for r in records if r.get("synced")] == [[1], None]
+    assert all(r["loss"] == r["loss"] for r in records if "loss" in r)  # no NaN loss after the reset
+    ckpt = tmp_path / "ckpt"
+    every = launch(4, tmp_path / "all", tmp_path / "cache", *flags, "--save", str(ckpt), "--save-interval", "1",
+                   env_extra={"FL_MEGATRON_FAULT": "nan-shard:all@2"})
+    assert every.returncode != 0 and "every federation group is sick at step 2" in every.stderr
+    # (torchrun prints its own traceback for a failed child; ours must not show one)
+    assert "fl_megatron/federation" not in every.stderr and published_iterations(ckpt) == [1]
