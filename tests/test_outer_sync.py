@@ -176,3 +176,76 @@ def test_sick_groups_through_the_command_line(tmp_path):
     assert every.returncode != 0 and "every federation group is sick at step 2" in every.stderr
     # (torchrun prints its own traceback for a failed child; ours must not show one)
     assert "fl_megatron/federation" not in every.stderr and published_iterations(ckpt) == [1]
+
+
+def _inner_state_job(rank, world, tmp, cache):
+    out = {}
+    for policy in ("average", "reset"):
+        cfg = tiny_config(f"{tmp}/{policy}", cache, group_size=2, optimizer="adamw", lr=3e-3, steps=10,
+                          sync_interval=100)
+        cfg.federation.inner_state = policy
+        trainer = make_trainer(cfg)
+        for step in range(2):
+            trainer.step(step)
+        before = [t.clone() for t in trainer.backend.inner_state_shards()]
+        everyone = [torch.empty_like(torch.cat([t.view(-1) for t in before])) for _ in range(2)]
+        dist.all_gather(everyone, torch.cat([t.view(-1) for t in before]), group=trainer.groups.peer)
+        trainer.engine.sync(2)
+        after = trainer.backend.inner_state_shards()
+        if policy == "average":
+            mean = (everyone[0] + everyone[1]) / 2
+            out["moments"] = len(before)
+            out["groups_differed"] = not torch.equal(everyone[0], everyone[1])
+            out["vs_mean"] = (torch.cat([t.view(-1) for t in after]) - mean).abs().max().item()
+            from fl_test_utils import peers_identical
+            out["identical"] = peers_identical(trainer, after)
+        else:
+            out["reset_empty"] = after == []
+            trainer.step(2)  # AdamW restarts its moments
+            out["restarted"] = len(trainer.backend.inner_state_shards()) == len(before)
+        trainer.close()
+    return out
+
+
+def test_inner_state_policies_average_or_reset_the_moments(tmp_path):
+    results = run_ranks(4, _inner_state_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    for r in results:
+        assert r["moments"] > 0 and r["groups_differed"] and r["identical"], r
+        assert r["vs_mean"] <= 1e-7, r
+        assert r["reset_empty"] and r["restarted"], r
+
+
+def _overlap_job(rank, world, tmp, cache):
+    """H = 2, K = 1, fedavg (outer lr 1): the sync launched after step 2 lands after step 3 as
+    x_3 - x_2 + mean over groups of x_2, on every rank; the last sync is blocking."""
+    out = {}
+    cfg = tiny_config(f"{tmp}/overlap", cache, group_size=2, optimizer="adamw", lr=3e-3, steps=6, sync_interval=2)
+    cfg.federation.overlap_steps = 1
+    trainer = make_trainer(cfg)
+    trainer.step(0)
+    launched = trainer.step(1)[3]  # step 2: launched, nothing landed yet
+    out["launch_returns_nothing"] = launched is None and trainer.engine.flight is not None
+    x2 = trainer.backend.full_state_dict()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, x2)
+    mean2 = {k: (everyone[0][k] + everyone[2][k]) / 2 for k in x2}
+    loss, _, _ = trainer._train_step(2, 3e-3)  # step 3's training, then its engine call by hand
+    x3 = trainer.backend.full_state_dict()
+    landed = trainer.engine.after_step(3, loss=loss)
+    out["landed_step"] = landed.step if landed else None
+    after = trainer.backend.full_state_dict()
+    out["vs_formula"] = max_diff(after, {k: x3[k] - x2[k] + mean2[k] for k in x2})
+    for step in range(3, 6):
+        trainer.step(step)
+    from fl_test_utils import peers_identical
+    out["identical_at_end"] = peers_identical(trainer)  # the last sync is blocking
+    trainer.close()
+    return out
+
+
+def test_overlapped_sync_lands_k_steps_later_keeping_each_groups_progress(tmp_path):
+    results = run_ranks(4, _overlap_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    for r in results:
+        assert r["launch_returns_nothing"] and r["landed_step"] == 2, r
+        assert r["vs_formula"] <= 1e-6, r
+        assert r["identical_at_end"], r

@@ -22,7 +22,7 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, flat_elements, wrap_blocks_for_recompute
-from .optimizer import build_optimizer, parameter_groups, set_learning_rate
+from .optimizer import build_optimizer, parameter_groups, set_learning_rate, state_tensors
 
 CHECKPOINT_TAG = "zero3"  # DeepSpeed's sub-directory inside a group's checkpoint directory
 
@@ -203,6 +203,10 @@ class DeepSpeedBackend:
     def local_shards(self) -> list[torch.Tensor]:
         """The flat fp32 master partitions, one per optimizer sub-group (updated in place)."""
         return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    def inner_state_shards(self) -> list[torch.Tensor]:
+        """Adam moments of the flat fp32 master partitions."""
+        return state_tensors(self.optimizer.optimizer, list(self.optimizer.fp32_partitioned_groups_flat))
 
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""

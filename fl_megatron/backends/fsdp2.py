@@ -14,7 +14,7 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, wrap_blocks_for_recompute
-from .optimizer import build_optimizer, set_learning_rate
+from .optimizer import build_optimizer, set_learning_rate, state_tensors
 
 
 def _shard_count(param: DTensor) -> int:
@@ -130,6 +130,11 @@ class FSDP2Backend:
         the separately stored (unevenly split) ones on their own. FSDP2 updates them in place."""
         return [self._flat.narrow(0, a, b) if kind == "flat" else a.to_local()
                 for kind, a, b in self._shard_list]
+
+    def inner_state_shards(self) -> list[torch.Tensor]:
+        """AdamW moments / SGD momentum of every parameter's local shard, parameter by parameter."""
+        return state_tensors(self.optimizer, list(self.model.parameters()),
+                              lambda t: t.to_local() if isinstance(t, DTensor) else t)
 
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""

@@ -27,6 +27,7 @@ from .megatron_cpu import compat_method, ensure_memory_buffer, install_cpu_rng_t
 from .megatron_model import build_gpt_model, quiet_import_megatron
 from .megatron_names import megatron_layout, megatron_tensor, our_sources, our_tensor
 from .megatron_state import MegatronShardFiles, main_shard_entries
+from .optimizer import state_tensors
 
 _SINGLETON_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd", "pos_embd",
                      "expt_dp", "intra_expt_dp")
@@ -154,6 +155,11 @@ class MegatronBackend:
     def local_shards(self) -> list[torch.Tensor]:
         """The fp32 main shards the inner optimizer updates, in megatron's (deterministic) order."""
         return [main for _, main, _, _ in self._main_pairs()]
+
+    def inner_state_shards(self) -> list[torch.Tensor]:
+        """Adam moments (or SGD momentum) of every fp32 main shard, in the main shards' order."""
+        return [t for opt in self._dist_opts
+                for t in state_tensors(opt.optimizer, [m for o, _, m, _, _ in main_shard_entries([opt])])]
 
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""

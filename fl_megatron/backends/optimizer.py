@@ -33,3 +33,18 @@ def build_optimizer(named_params, cfg: TrainingConfig) -> torch.optim.Optimizer:
 def set_learning_rate(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def state_tensors(optimizer, params: list, local=_identity) -> list[torch.Tensor]:
+    """The optimizer's state tensors of `params` in their order, keys sorted, step counts left out
+    (the inner state a sync may average or reset); empty until the first step."""
+    out = []
+    for param in params:
+        state = optimizer.state.get(param, {})
+        out += [local(state[key]) for key in sorted(state)
+                if key != "step" and torch.is_tensor(state[key]) and state[key].is_floating_point()]
+    return out

@@ -44,6 +44,8 @@ class Checkpointer:
         """Save the state after optimizer step `iteration`. Compact mode syncs first (unless the
         step just did): the groups are then identical and one copy is stored."""
         root = Path(self.options.save)
+        if self.engine.flight is not None:  # a sync in flight (--fl-overlap-steps) lands first
+            self.engine.land()
         compact = self.options.ckpt_mode == "compact"
         if compact and self.engine.active and self.engine.last_synced_step != iteration:
             self.engine.sync(iteration)

@@ -6,6 +6,7 @@ from typing import Optional
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
 SYNC_DTYPES = ("fp32", "bf16", "int8")
+INNER_STATE_POLICIES = ("keep", "average", "reset")
 # the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
 DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
 
@@ -71,9 +72,18 @@ class FederationConfig:
         default=None, metadata={"help": "outer learning rate (default: fedavg 1.0, nesterov 0.7, adam 0.001)"})
     outer_momentum: float = field(
         default=0.9, metadata={"help": "outer Nesterov momentum (nesterov) or Adam beta1 (adam)"})
+    inner_state: str = field(
+        default="keep", metadata={"help": "the inner optimizer's state at a sync: keep each group's (the published "
+                                          "method), average it across groups too (fp32, twice the bytes for Adam), "
+                                          "or reset it"})
     sync_dtype: str = field(
         default="fp32", metadata={"help": "what crosses groups at a sync: fp32 (exact), bf16, or int8 with one fp32 "
                                           "scale per block of 256 (summed in fp32 either way)"})
+    overlap_steps: int = field(
+        default=0, metadata={"help": "start each sync in the background and keep training this many steps while it "
+                                     "travels (K < H), then merge: the new anchor plus each group's own progress "
+                                     "since the sync started (two more fp32 shards while in flight); the last "
+                                     "sync is blocking"})
     sick_loss_ratio: float = field(
         default=0.0, metadata={"help": "at a sync, also leave out (and reset to the others' average) a group whose "
                                        "loss exceeds this many times the best group's; 0 disables (groups with "
@@ -89,7 +99,8 @@ class FederationConfig:
     @property
     def plain_average(self) -> bool:
         """Whether a sync is today's exact FedAvg of fp32 shards (no anchor, no compression)."""
-        return self.outer_optimizer == "fedavg" and self.resolved_outer_lr == 1.0 and self.sync_dtype == "fp32"
+        return (self.outer_optimizer == "fedavg" and self.resolved_outer_lr == 1.0 and self.sync_dtype == "fp32"
+                and self.overlap_steps == 0)
 
     @property
     def sync_bytes_per_element(self) -> float:
@@ -99,10 +110,12 @@ class FederationConfig:
     @property
     def outer_state_shards(self) -> int:
         """fp32 shard-sized buffers a rank keeps for the sync: anchor and outer optimizer state
-        (fedavg lr != 1 or compressed: 1, nesterov: 2, adam: 3), plus one for error feedback."""
+        (fedavg lr != 1 or compressed: 1, nesterov: 2, adam: 3), plus one for error feedback and
+        two while a sync is in flight (--fl-overlap-steps)."""
         if self.plain_average:
             return 0
-        return {"fedavg": 1, "nesterov": 2, "adam": 3}[self.outer_optimizer] + int(self.error_feedback)
+        return ({"fedavg": 1, "nesterov": 2, "adam": 3}[self.outer_optimizer] + int(self.error_feedback)
+                + (2 if self.overlap_steps else 0))
 
     @property
     def syncing(self) -> bool:
@@ -125,8 +138,15 @@ class FederationConfig:
             errors.append(f"outer_lr={self.outer_lr} must be positive")
         if not 0 <= self.outer_momentum < 1:
             errors.append(f"outer_momentum={self.outer_momentum} must lie in [0, 1)")
+        if self.overlap_steps < 0:
+            errors.append(f"overlap_steps={self.overlap_steps} must be >= 0")
+        elif self.overlap_steps and self.syncing and self.overlap_steps >= self.sync_interval:
+            errors.append(f"overlap_steps={self.overlap_steps} must be smaller than sync_interval="
+                          f"{self.sync_interval} (a sync lands before the next one starts)")
         if self.sick_loss_ratio != 0 and self.sick_loss_ratio <= 1:
             errors.append(f"sick_loss_ratio={self.sick_loss_ratio} must be above 1 (or 0: off)")
+        if self.inner_state not in INNER_STATE_POLICIES:
+            errors.append(f"inner_state={self.inner_state!r} is not one of {', '.join(INNER_STATE_POLICIES)}")
         if self.sync_dtype not in SYNC_DTYPES:
             errors.append(f"sync_dtype={self.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}")
         elif self.error_feedback and self.sync_dtype == "fp32":

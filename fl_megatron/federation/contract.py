@@ -47,6 +47,11 @@ class TrainingBackend(ShardOwner, Protocol):
         """Unsharded fp32 parameters on every rank (small models and tests only)."""
         ...
 
+    def inner_state_shards(self) -> list[torch.Tensor]:
+        """This rank's inner optimizer state tensors (moments, momentum buffers; not step counts),
+        in the same order and shapes on every rank of a peer group; empty before the first step."""
+        ...
+
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (moments): a group left out of a sync as sick
         restarts from the average with fresh moments."""

@@ -14,6 +14,7 @@ from .groups import ProcessGroups
 from .health import AllGroupsSick, sick_groups
 from .ledger import CommLedger
 from .outer import OuterOptimizer
+from .overlap import InFlight, Overlapper
 from .schedule import sync_due
 
 
@@ -48,12 +49,20 @@ class FederationEngine:
             bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
             peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"),
             sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
+        # --fl-inner-state average: the inner optimizer's moments, averaged exactly (fp32)
+        self.state_averager = ShardAverager(
+            groups.peer, layout.num_groups, replica_group=groups.replica if layout.is_hsdp else None,
+            replicas=layout.replicas, replica_index=replica_index, replica_split=config.replica_split,
+            bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
+            peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"))
         self.last_synced_step = 0
         # outer optimizer (anchor + state shards) unless a sync is today's exact fp32 FedAvg
         self.outer = None
         if self.active and not config.plain_average:
             self.outer = OuterOptimizer(backend.local_shards(), config.outer_optimizer,
                                         config.resolved_outer_lr, config.outer_momentum)
+        self.overlapper = Overlapper() if self.active and config.overlap_steps else None
+        self.flight: Optional[InFlight] = None
 
     @property
     def active(self) -> bool:
@@ -64,36 +73,91 @@ class FederationEngine:
         """Call after optimizer step `step` (1-based), with this rank's loss of that step; syncs
         when due and returns what it did."""
         interval = self.config.sync_interval if self.config.syncing else 0
+        landed = None
+        if self.flight is not None and (step >= self.flight.due or last):
+            landed = self.land()
         if not sync_due(step, interval, last, self.groups.layout.is_federated):
-            return None
+            return landed
+        if self.overlapper is not None and not last:
+            self._launch(step, loss)
+            return landed
         return self.sync(step, loss)
 
-    def sync(self, step: int, loss: Optional[torch.Tensor] = None) -> SyncResult:
-        """Average now (collective over all ranks). Groups whose shards hold NaN/Inf (or whose
-        loss is past --fl-sick-loss-ratio times the best group's) are left out and reset to the
-        average of the others; AllGroupsSick if no group is left."""
-        start = time.perf_counter()
-        shards = self.backend.local_shards()
+    def _health(self, step: int, shards: list, loss) -> tuple[list, bool, Optional[int]]:
+        """(sick groups, whether this rank's group contributes, contributors or None if all)."""
         layout, group = self.groups.layout, self.groups.coords[0]
         sick = sick_groups(shards, None if loss is None else float(loss), group, layout.num_groups,
                            self.config.sick_loss_ratio, self.groups.mesh.device_type)
         if len(sick) == layout.num_groups:
             raise AllGroupsSick(f"every federation group is sick at step {step} (non-finite shards or a diverged "
                                 "loss): nothing is left to average; stopping without saving")
-        include, contributors = group not in sick, (layout.num_groups - len(sick) if sick else None)
+        return sick, group not in sick, (layout.num_groups - len(sick) if sick else None)
+
+    def _launch(self, step: int, loss) -> None:
+        """Start a sync in the background (--fl-overlap-steps): it lands K steps later."""
+        shards = self.backend.local_shards()
+        sick, include, contributors = self._health(step, shards, loss)
+        average = lambda buffers: self.averager.average(buffers, include, contributors)  # noqa: E731
+        self.flight = self.overlapper.launch(average, self.outer.anchors, shards, step=step,
+                                             due=step + self.config.overlap_steps, include=include,
+                                             contributors=contributors, sick=tuple(sick),
+                                             started=time.perf_counter())
+
+    def land(self) -> SyncResult:
+        """Wait for the sync in flight and merge it (a checkpoint calls this before saving)."""
+        flight, self.flight = self.flight, None
+        start = time.perf_counter()
+        stats = flight.future.result()
+        shards = self.backend.local_shards()
+        Overlapper.land(flight, self.outer, shards)
+        self._inner_state(stats, flight.include, flight.contributors)
+        self.backend.refresh_after_sync()
+        variance, rms = self._global_metrics(stats, shards)
+        return SyncResult(flight.step, time.perf_counter() - start, stats.inter_group_bytes,
+                          stats.intra_group_bytes, variance, rms, flight.sick)
+
+    def sync(self, step: int, loss: Optional[torch.Tensor] = None) -> SyncResult:
+        """Average now (collective over all ranks). Groups whose shards hold NaN/Inf (or whose
+        loss is past --fl-sick-loss-ratio times the best group's) are left out and reset to the
+        average of the others; AllGroupsSick if no group is left."""
+        if self.flight is not None:
+            self.land()
+        start = time.perf_counter()
+        shards = self.backend.local_shards()
+        sick, include, contributors = self._health(step, shards, loss)
         if self.outer is not None:
             self.outer.to_pseudo_gradients(shards)
         stats = self.averager.average(shards, include, contributors)
         if self.outer is not None:
             self.outer.step(shards)
-        if not include and hasattr(self.backend, "reset_optimizer_state"):
-            self.backend.reset_optimizer_state()
+        self._inner_state(stats, include, contributors)
         self.backend.refresh_after_sync()
         seconds = time.perf_counter() - start
         self.last_synced_step = step
         variance, rms = self._global_metrics(stats, shards if self.outer is not None else None)
         return SyncResult(step, seconds, stats.inter_group_bytes, stats.intra_group_bytes, variance, rms,
                           tuple(sick))
+
+    def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int]) -> None:
+        """--fl-inner-state: keep, average (left-out groups take the others' mean) or reset; a
+        left-out (sick) group always restarts its moments unless they are averaged."""
+        policy = self.config.inner_state
+        if policy == "average":
+            state = self.backend.inner_state_shards()
+            if state:
+                moved = self.state_averager.average(state, include, contributors)
+                stats.inter_group_bytes += moved.inter_group_bytes
+                stats.intra_group_bytes += moved.intra_group_bytes
+        elif policy == "reset" or not include:
+            if hasattr(self.backend, "reset_optimizer_state"):
+                self.backend.reset_optimizer_state()
+
+    def close(self) -> None:
+        if self.overlapper is not None:
+            if self.flight is not None:
+                self.flight.future.result()
+                self.flight = None
+            self.overlapper.close()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's outer-optimizer anchors and state, and error-feedback residuals (empty for

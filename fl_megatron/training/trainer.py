@@ -263,4 +263,5 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.engine.close()
         self.records.close()
