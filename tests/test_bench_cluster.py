@@ -23,8 +23,12 @@ LLAMA_TINY_ROOT = 2 * 4096 * 256 + 256  # embedding, output layer, final norm: g
 
 
 def test_rows_follow_the_cluster_shape():
-    assert [r.key for r in all_rows(2, 2, 8)] == ["fsdp", "hsdp", "fl-fsdp", "torchft-localsgd", "torchft-diloco",
+    assert [r.key for r in all_rows(2, 2, 8)] == ["fsdp", "hsdp", "fl-fsdp", "fl-fsdp-bf16", "fl-fsdp-int8",
+                                                  "fl-fsdp-int8-overlap", "torchft-localsgd", "torchft-diloco",
                                                   "zero3", "fl-zero3"]
+    modes = {r.key: r.flags() for r in all_rows(2, 2, 8)}
+    assert modes["fl-fsdp-int8-overlap"][-5:] == ["--fl-sync-dtype", "int8", "--fl-error-feedback",
+                                                  "--fl-overlap-steps", "1"]
     rows = {r.key: r for r in all_rows(4, 2, 8)}
     assert rows["fl-hsdp-split"].group_size == 4 and rows["fl-hsdp-split"].shard_size == 2
     assert "--no-fl-replica-split" in rows["fl-hsdp-naive"].flags()

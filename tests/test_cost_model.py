@@ -183,3 +183,19 @@ def test_workload_of_each_backend_and_gradient_dtype():
     assert predict(variant, replace(fsdp2, eval_forwards=4), SLOW).eval_comm_seconds > 0
     gathers = [t for t in predict(variant, megatron, SLOW).step_comm if t.collective.op == "all_gather"]
     assert sum(t.collective.bytes for t in gathers) == pytest.approx(megatron.num_params * 7 / 8 * 2)
+
+
+def test_overlapped_and_compressed_syncs():
+    """int8 with per-256 scales moves (1 + 4/256)/4 of the fp32 sync bytes; with K overlapped
+    steps a sync adds only what K steps' time does not cover, and the last sync stays blocking."""
+    layout = make_layout(4, ranks_per_node=2, group_size=2)
+    fp32 = Workload(num_params=1_000_000, regathered_params=1_000_000, units=1, param_bytes=4, grad_bytes=4,
+                    micro_batches=1, tokens_per_step=2048, compute_seconds=0.5)
+    int8 = replace(fp32, master_bytes=1 + 4 / 256)
+    blocking, packed = predict(Variant("FL", layout, 8), fp32, SLOW), predict(Variant("FL", layout, 8), int8, SLOW)
+    assert packed.sync_inter_node_bytes == pytest.approx(blocking.sync_inter_node_bytes * (1 + 4 / 256) / 4)
+    overlapped = predict(Variant("FL", layout, 8, overlap_steps=1), int8, SLOW)
+    hidden = max(0.0, packed.sync_seconds - packed.step_seconds)
+    assert overlapped.exposed_sync_seconds == pytest.approx(hidden)
+    assert overlapped.mean_step_seconds == pytest.approx(packed.step_seconds + hidden / 8)
+    assert overlapped.run_seconds(16) == pytest.approx(16 * packed.step_seconds + hidden + packed.sync_seconds)

@@ -39,6 +39,7 @@ class Variant:
     layout: Layout
     sync_interval: int = 0
     replica_split: bool = True
+    overlap_steps: int = 0  # --fl-overlap-steps: the sync travels while K steps train
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,24 @@ class Prediction:
         return sum(t.inter_node_wire_bytes for t in self.sync_comm)
 
     @property
+    def exposed_sync_seconds(self) -> float:
+        """What a sync adds to the run: all of it, or with K overlapped steps what the K steps'
+        time does not cover (the exchange crosses nodes while the group's own traffic stays
+        inside them: FL+FSDP with groups within a node)."""
+        return max(0.0, self.sync_seconds - self.variant.overlap_steps * self.step_seconds)
+
+    @property
     def mean_step_seconds(self) -> float:
         """One step with the sync amortised over H steps."""
         h = self.variant.sync_interval
-        return self.step_seconds + (self.sync_seconds / h if h else 0.0)
+        return self.step_seconds + (self.exposed_sync_seconds / h if h else 0.0)
 
     def run_seconds(self, steps: int) -> float:
-        """`steps` steps and their syncs (one every H steps and one after the last)."""
-        return steps * self.step_seconds + self.syncs(steps) * self.sync_seconds
+        """`steps` steps and their syncs (one every H steps and one after the last, which is
+        blocking)."""
+        syncs = self.syncs(steps)
+        return steps * self.step_seconds + max(0, syncs - 1) * self.exposed_sync_seconds + \
+            (self.sync_seconds if syncs else 0.0)
 
     def syncs(self, steps: int) -> int:
         h = self.variant.sync_interval

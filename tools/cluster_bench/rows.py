@@ -40,6 +40,11 @@ def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     if nodes > 1 and rpn > 1:
         rows.append(Row("hsdp", f"HSDP {nodes}x{rpn} (shard in node)", world, rpn))
     rows.append(Row("fl-fsdp", f"FL+FSDP {nodes} groups of {rpn}", rpn, None, h))
+    int8 = ("--fl-sync-dtype", "int8", "--fl-error-feedback")
+    rows.append(Row("fl-fsdp-bf16", "FL+FSDP, bf16 sync", rpn, None, h, extra=("--fl-sync-dtype", "bf16")))
+    rows.append(Row("fl-fsdp-int8", "FL+FSDP, int8 sync + EF", rpn, None, h, extra=int8))
+    rows.append(Row("fl-fsdp-int8-overlap", "FL+FSDP, int8 + EF, overlap 1", rpn, None, h,
+                    extra=(*int8, "--fl-overlap-steps", "1")))
     if nodes >= 4 and rpn > 1 and nodes % 2 == 0:  # groups of two nodes: P = 2 replicas of a node's shard
         g = 2 * rpn
         rows.append(Row("fl-hsdp-naive", f"FL+HSDP {world // g}x(2x{rpn}) naive", g, rpn, h, replica_split=False))
