@@ -249,3 +249,37 @@ def test_overlapped_sync_lands_k_steps_later_keeping_each_groups_progress(tmp_pa
         assert r["launch_returns_nothing"] and r["landed_step"] == 2, r
         assert r["vs_formula"] <= 1e-6, r
         assert r["identical_at_end"], r
+
+
+def _backends_job(rank, world, tmp, cache):
+    """Every sync option on every backend: nesterov, int8 with error feedback, overlap 1, the
+    moments averaged, a sick group at step 2; after the last (blocking) sync the groups agree."""
+    from fl_test_utils import peers_identical
+
+    out = {}
+    for backend in ("fsdp2", "deepspeed", "megatron"):
+        cfg = tiny_config(f"{tmp}/{backend}", cache, group_size=2, optimizer="adamw", lr=3e-3, steps=6,
+                          sync_interval=2, backend=backend)
+        f = cfg.federation
+        f.outer_optimizer, f.sync_dtype, f.error_feedback, f.overlap_steps = "nesterov", "int8", True, 1
+        f.inner_state = "average"
+        trainer = make_trainer(cfg)
+        os.environ["FL_MEGATRON_FAULT"] = "nan-shard:1@2"
+        results = [trainer.step(i)[3] for i in range(6)]
+        del os.environ["FL_MEGATRON_FAULT"]
+        out[backend] = {"sick": [list(r.sick_groups) for r in results if r is not None],
+                        "identical": peers_identical(trainer),
+                        "finite": all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards())}
+        trainer.close()
+    return out
+
+
+@pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) is None for m in ("deepspeed", "megatron")),
+                    reason="needs DeepSpeed and megatron-core")
+def test_every_sync_option_on_every_backend(tmp_path):
+    results = run_ranks(4, _backends_job, str(tmp_path), str(tmp_path / "cache"), timeout=800)
+    for r in results:
+        for backend, got in r.items():
+            # launched at 2 (group 1 sick), landed at 3; launched at 4, landed at 5; blocking at 6
+            assert got["sick"] == [[1], [], []], (backend, got)
+            assert got["identical"] and got["finite"], (backend, got)

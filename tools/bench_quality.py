@@ -28,10 +28,17 @@ LAYOUTS = {
     "FL+FSDP": (4, ["--fl-group-size", "2"]),
     "HSDP": (8, ["--fl-group-size", "8", "--fl-hsdp-shard-size", "2"]),
     "FL+HSDP": (8, ["--fl-group-size", "4", "--fl-hsdp-shard-size", "2"]),
+    # the sync modes of docs/sync-modes.md on FL+FSDP
+    "FL+FSDP int8+EF overlap": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int8", "--fl-error-feedback",
+                                    "--fl-overlap-steps", "1"]),
+    "FL+FSDP nesterov int8+EF": (4, ["--fl-group-size", "2", "--fl-outer-optimizer", "nesterov",
+                                     "--fl-sync-dtype", "int8", "--fl-error-feedback"]),
 }
 # what summary.json must report for each: (federation groups, replicas per group)
-EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2)}
-PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP")}
+EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2),
+            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1)}
+PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP"),
+         "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF")}
 
 
 def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float, reuse: bool = False) -> dict:
@@ -80,7 +87,7 @@ def markdown(results: list[dict], table: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=sorted(PAIRS))
+    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["fsdp", "hsdp"])
     parser.add_argument("--out", default="runs/quality")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --out instead of rerunning them")
@@ -90,21 +97,24 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for pair in args.pairs:
-        for name in PAIRS[pair]:
-            for seed in args.seeds:
-                results.append(run_one(name, seed, out, extra, args.timeout, args.reuse))
-    table = {name: stats([r["eval_perplexity"] for r in results if r["layout"] == name])
-             for pair in args.pairs for name in PAIRS[pair]}
+    names = list(dict.fromkeys(name for pair in args.pairs for name in PAIRS[pair]))  # each layout once
+    for name in names:
+        for seed in args.seeds:
+            results.append(run_one(name, seed, out, extra, args.timeout, args.reuse))
+    table = {name: stats([r["eval_perplexity"] for r in results if r["layout"] == name]) for name in names}
     for pair in args.pairs:
         base, fl = PAIRS[pair]
         ratios = [math.exp(a["eval_loss"] - b["eval_loss"]) for a in results if a["layout"] == base
                   for b in results if b["layout"] == fl and b["seed"] == a["seed"]]
         table[f"{base}/{fl} perplexity ratio"] = stats(ratios)
-    text = markdown(results, {k: v for k, v in table.items() if "ratio" not in k})
+        gaps = [(b["eval_loss"] - a["eval_loss"]) / a["eval_loss"] for a in results if a["layout"] == base
+                for b in results if b["layout"] == fl and b["seed"] == a["seed"]]
+        table[f"{fl} vs {base} relative eval-loss difference"] = stats(gaps)
+    paired = [k for k in table if k.endswith((" ratio", " difference"))]
+    text = markdown(results, {k: v for k, v in table.items() if k not in paired})
     for key, s in table.items():
-        if "ratio" in key:
-            text += f"\n{key} (same seed): mean {s['mean']:.3f}, std {s['std']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}\n"
+        if key in paired:
+            text += f"\n{key} (same seed): mean {s['mean']:.4f}, std {s['std']:.4f}, min {s['min']:.4f}, max {s['max']:.4f}\n"
     print(text)
     (out / "quality.json").write_text(json.dumps({"runs": results, "stats": table}, indent=2) + "\n")
     (out / "quality.md").write_text(text)
