@@ -6,6 +6,7 @@ from typing import Optional
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
 SYNC_DTYPES = ("fp32", "bf16", "int8")
+INT8_BLOCK = 256  # elements sharing one fp32 scale in an int8 sync
 INNER_STATE_POLICIES = ("keep", "average", "reset")
 # the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
 DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
@@ -105,7 +106,7 @@ class FederationConfig:
     @property
     def sync_bytes_per_element(self) -> float:
         """Bytes one shard element occupies on the inter-group wire (int8: plus its block's scale)."""
-        return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}[self.sync_dtype]
+        return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[self.sync_dtype]
 
     @property
     def outer_state_shards(self) -> int:

@@ -15,16 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-BLOCK = 256  # elements per int8 scale
-
-
-def encoded_bytes(elements: int, dtype: str) -> int:
-    """Bytes one rank's encoding of `elements` fp32 values occupies."""
-    if dtype == "bf16":
-        return 2 * elements
-    if dtype == "int8":
-        return elements + 4 * -(-elements // BLOCK)
-    return 4 * elements
+from ..config.parallel import INT8_BLOCK as BLOCK  # elements per int8 scale (the cost model counts it too)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +68,10 @@ def compressed_mean_(region: torch.Tensor, group, dtype: str, *, include: bool =
         if residual is not None:
             padded[:n] += residual
     sent = codec.encode(padded)
-    if residual is not None:
-        residual.copy_(padded[:n] - codec.decode(sent)[:n] if include else torch.zeros_like(residual))
+    if residual is not None and include:
+        residual.copy_(padded[:n] - codec.decode(sent)[:n])
+    elif residual is not None:
+        residual.zero_()
     received = [torch.empty_like(part) for part in sent]
     for out, inp in zip(received, sent):
         dist.all_to_all_single(out, inp, group=group)

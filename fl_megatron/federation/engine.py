@@ -42,19 +42,16 @@ class FederationEngine:
         self.ledger = ledger if ledger is not None else CommLedger()
         layout = groups.layout
         _, replica_index, _ = groups.coords
-        self.averager = ShardAverager(
-            groups.peer, layout.num_groups,
-            replica_group=groups.replica if layout.is_hsdp else None, replicas=layout.replicas,
-            replica_index=replica_index, replica_split=config.replica_split,
-            bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
-            peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"),
-            sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
+        def averager(**compression) -> ShardAverager:
+            return ShardAverager(
+                groups.peer, layout.num_groups, replica_group=groups.replica if layout.is_hsdp else None,
+                replicas=layout.replicas, replica_index=replica_index, replica_split=config.replica_split,
+                bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
+                peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), **compression)
+
+        self.averager = averager(sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
         # --fl-inner-state average: the inner optimizer's moments, averaged exactly (fp32)
-        self.state_averager = ShardAverager(
-            groups.peer, layout.num_groups, replica_group=groups.replica if layout.is_hsdp else None,
-            replicas=layout.replicas, replica_index=replica_index, replica_split=config.replica_split,
-            bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
-            peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"))
+        self.state_averager = averager()
         self.last_synced_step = 0
         # outer optimizer (anchor + state shards) unless a sync is today's exact fp32 FedAvg
         self.outer = None
@@ -98,10 +95,9 @@ class FederationEngine:
         shards = self.backend.local_shards()
         sick, include, contributors = self._health(step, shards, loss)
         average = lambda buffers: self.averager.average(buffers, include, contributors)  # noqa: E731
-        self.flight = self.overlapper.launch(average, self.outer.anchors, shards, step=step,
+        self.flight = self.overlapper.launch(average, self.outer, shards, step=step,
                                              due=step + self.config.overlap_steps, include=include,
-                                             contributors=contributors, sick=tuple(sick),
-                                             started=time.perf_counter())
+                                             contributors=contributors, sick=tuple(sick))
 
     def land(self) -> SyncResult:
         """Wait for the sync in flight and merge it (a checkpoint calls this before saving)."""
@@ -184,9 +180,10 @@ class FederationEngine:
         outer optimizer the averaged values were pseudo-gradients (same variance across
         groups: the anchors are equal); the rms is then taken over the new shards."""
         sq_mean = stats.sq_mean_sum
-        if shards is not None:  # the mean square over every element, weighted like the sample
-            elements = max(1, sum(s.numel() for s in shards))
-            sq_mean = sum(float(s.double().pow(2).sum()) for s in shards) * stats.samples / elements
+        if shards is not None and shards:  # the mean square over every element, weighted like the sample
+            elements = sum(s.numel() for s in shards)
+            norms = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s in shards])
+            sq_mean = float(norms.pow(2).sum()) * stats.samples / max(1, elements)
         totals = torch.tensor([stats.sq_dev_sum, sq_mean, float(stats.samples)],
                               dtype=torch.float64, device=self.groups.mesh.device_type)
         dist.all_reduce(totals)

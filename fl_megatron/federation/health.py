@@ -17,8 +17,8 @@ def sick_groups(shards: list[torch.Tensor], loss: Optional[float], group: int, n
     largest rank loss exceeds `loss_ratio` times the best group's. Collective over all ranks:
     one all-reduce (MAX) of 2 x F numbers."""
     flags = torch.zeros(2 * num_groups, dtype=torch.float64, device=device_type)
-    if not all(bool(torch.isfinite(s).all()) for s in shards):
-        flags[group] = 1.0
+    if shards:  # one device-side reduction, read once with the all-reduced flags
+        flags[group] = (~torch.stack([torch.isfinite(s).all() for s in shards]).all()).to(flags.dtype)
     if loss is not None:
         flags[num_groups + group] = loss if math.isfinite(loss) else math.inf
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)

@@ -32,7 +32,6 @@ class InFlight:
     include: bool
     contributors: object
     sick: tuple
-    started: float
 
 
 class Overlapper:
@@ -42,9 +41,10 @@ class Overlapper:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-sync")
 
     @torch.no_grad()
-    def launch(self, average, anchors: list, shards: list, **fields) -> InFlight:
-        """Start averaging (anchor - shard) across groups with `average(buffers)`."""
-        own = [torch.sub(a, s) for a, s in zip(anchors, shards)]
+    def launch(self, average, outer, shards: list, **fields) -> InFlight:
+        """Start averaging the pseudo-gradients (anchor - shard) across groups with `average(buffers)`."""
+        own = [s.clone() for s in shards]
+        outer.to_pseudo_gradients(own)
         averaged = [o.clone() for o in own]
         return InFlight(future=self.pool.submit(average, averaged), averaged=averaged, own=own, **fields)
 
