@@ -53,7 +53,7 @@ BASE = ["--model", "llama-tiny"]
     (["--grad-reduce-dtype", "bf16"], ["grad_reduce_dtype='bf16' needs --bf16"]),
     (["--fl-outer-optimizer", "lamb"], ["outer_optimizer='lamb' is not one of fedavg, nesterov, adam"]),
     (["--fl-error-feedback"], ["error_feedback needs a compressed sync"]),
-    (["--fl-sync-dtype", "fp8"], ["sync_dtype='fp8' is not one of fp32, bf16, int8"]),
+    (["--fl-sync-dtype", "fp8"], ["sync_dtype='fp8' is not one of fp32, bf16, int8, int4"]),
     (["--fl-sick-loss-ratio", "0.5"], ["sick_loss_ratio=0.5 must be above 1"]),
     (["--fl-outer-momentum", "1"], ["outer_momentum=1.0 must lie in [0, 1)"]),
     (["--grad-reduce-dtype", "fp16", "--bf16"], ["grad_reduce_dtype='fp16' is not one of fp32, bf16"]),

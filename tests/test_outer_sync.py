@@ -1,7 +1,7 @@
 """Outer optimizers, compressed syncs and sick groups.
 
 References: a plain-torch DiLoCo step (outer SGD with Nesterov momentum) on the gathered models;
-the per-block int8 bound; error feedback's telescoping sum; the average of the healthy groups
+the per-block int8/int4 bound; error feedback's telescoping sum; the average of the healthy groups
 computed directly from their gathered parameters.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fl_megatron.federation.compression import BLOCK, compressed_mean_, dequantize_int8, quantize_int8
+from fl_megatron.federation.compression import BLOCK, compressed_mean_, dequantize, quantize
 from fl_megatron.federation.health import AllGroupsSick
 from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import make_trainer, max_diff, tiny_config, train_and_gather
@@ -19,18 +19,25 @@ from fl_test_utils import make_trainer, max_diff, tiny_config, train_and_gather
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_int8_round_trip_within_half_a_step_per_block():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_round_trip_within_half_a_step_per_block(bits):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64 * BLOCK, generator=g) * torch.logspace(-6, 2, 64).repeat_interleave(BLOCK)
     x[:BLOCK] = 0.0  # an all-zero block stays zero
-    q, scales = quantize_int8(x)
-    err = (dequantize_int8(q, scales) - x).view(-1, BLOCK).abs().amax(dim=1)
-    assert q.dtype == torch.int8 and scales.shape == (64,)
+    levels = 2 ** (bits - 1) - 1
+    x[BLOCK:2 * BLOCK] = torch.arange(BLOCK).remainder(2 * levels + 1).sub(levels) * 0.5  # exactly on the grid
+    q, scales = quantize(x, bits)
+    decoded = dequantize(q, scales, bits)
+    err = (decoded - x).view(-1, BLOCK).abs().amax(dim=1)
+    assert q.dtype == (torch.int8 if bits == 8 else torch.uint8) and q.numel() == x.numel() * bits // 8
+    assert scales.shape == (64,) and torch.allclose(scales, x.view(-1, BLOCK).abs().amax(dim=1) / levels)
     assert torch.all(err <= scales / 2 * (1 + 1e-5) + 1e-30)
     assert err[0] == 0 and scales[0] == 0
+    assert torch.equal(decoded[BLOCK:2 * BLOCK], x[BLOCK:2 * BLOCK])  # every level, in order (packing)
 
 
-def test_error_feedback_keeps_the_sum_of_what_was_sent_on_track(world):
+@pytest.mark.parametrize("dtype,bits", [("int8", 8), ("int4", 4)])
+def test_error_feedback_keeps_the_sum_of_what_was_sent_on_track(world, dtype, bits):
     """Over many syncs the sum of what a rank sent equals the sum of its true pseudo-gradients
     up to the last residual, which stays bounded; without error feedback the gap grows."""
     g = torch.Generator().manual_seed(1)
@@ -42,12 +49,12 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_on_track(world):
         delta = torch.randn(n, generator=g) * 1e-3 + 2e-4  # a small drift the rounding would lose
         true_sum += delta
         with_ef, plain = delta.clone(), delta.clone()
-        compressed_mean_(with_ef, world, "int8", residual=residual)
-        compressed_mean_(plain, world, "int8")
+        compressed_mean_(with_ef, world, dtype, residual=residual)
+        compressed_mean_(plain, world, dtype)
         sent_ef += with_ef
         sent_plain += plain
         largest.append(float(residual.abs().max()))
-    scale_bound = float(quantize_int8(torch.full((BLOCK,), 5e-3))[1][0])  # a block's step at |x| ~ 5e-3
+    scale_bound = float(quantize(torch.full((BLOCK,), 5e-3), bits)[1][0])  # a block's step at |x| ~ 5e-3
     assert max(largest) <= 2 * scale_bound  # bounded, not growing with the rounds
     assert (sent_ef - true_sum).abs().max() <= 2 * scale_bound + 1e-6
     assert (sent_plain - true_sum).abs().max() > 5 * (sent_ef - true_sum).abs().max()
@@ -97,6 +104,15 @@ def _outer_job(rank, world, tmp, cache):
     out["int8_payload_ratio"] = results[1].inter_group_bytes / out["shard_bytes"]
     out["int8_identical"] = _peers_equal(trainer)
     trainer.close()
+    # int4 with error feedback: half of int8's payload
+    cfg = base("int4")
+    cfg.federation.sync_dtype, cfg.federation.error_feedback = "int4", True
+    trainer = make_trainer(cfg)
+    results = [trainer.step(i)[3] for i in range(2)]
+    out["int4_payload_ratio"] = results[1].inter_group_bytes / out["shard_bytes"]
+    out["int4_identical"] = _peers_equal(trainer)
+    out["int4_model_ratio"] = cfg.federation.sync_bytes_per_element / 4  # what the cost model and dry run use
+    trainer.close()
     return out
 
 
@@ -114,6 +130,9 @@ def test_outer_optimizers_and_compressed_sync(tmp_path):
         assert r["outer_state_bytes"] == 2 * r["shard_bytes"]  # anchor + momentum: one fp32 shard each
         assert 0.25 <= r["int8_payload_ratio"] <= 0.27, r  # int8 + one fp32 scale per 256 (plus padding)
         assert r["int8_identical"], r
+        assert 0.128 <= r["int4_payload_ratio"] <= 0.14, r  # two values per byte + one fp32 scale per 256
+        assert r["int4_model_ratio"] <= r["int4_payload_ratio"] <= 1.05 * r["int4_model_ratio"], r  # + padding
+        assert r["int4_identical"], r
 
 
 def _sick_job(rank, world, tmp, cache):

@@ -31,14 +31,16 @@ LAYOUTS = {
     # the sync modes of docs/sync-modes.md on FL+FSDP
     "FL+FSDP int8+EF overlap": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int8", "--fl-error-feedback",
                                     "--fl-overlap-steps", "1"]),
+    "FL+FSDP int4+EF": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int4", "--fl-error-feedback"]),
     "FL+FSDP nesterov int8+EF": (4, ["--fl-group-size", "2", "--fl-outer-optimizer", "nesterov",
                                      "--fl-sync-dtype", "int8", "--fl-error-feedback"]),
 }
 # what summary.json must report for each: (federation groups, replicas per group)
 EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2),
-            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1)}
+            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1)}
 PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP"),
-         "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF")}
+         "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "int4": ("FL+FSDP", "FL+FSDP int4+EF"),
+         "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF")}
 
 
 def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float, reuse: bool = False) -> dict:

@@ -5,8 +5,9 @@ from typing import Optional
 
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
-SYNC_DTYPES = ("fp32", "bf16", "int8")
-INT8_BLOCK = 256  # elements sharing one fp32 scale in an int8 sync
+SYNC_DTYPES = ("fp32", "bf16", "int8", "int4")
+QUANT_BLOCK = 256  # elements sharing one fp32 scale in an int8/int4 sync
+QUANT_BITS = {"int8": 8, "int4": 4}
 INNER_STATE_POLICIES = ("keep", "average", "reset")
 # the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
 DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
@@ -78,8 +79,9 @@ class FederationConfig:
                                           "method), average it across groups too (fp32, twice the bytes for Adam), "
                                           "or reset it"})
     sync_dtype: str = field(
-        default="fp32", metadata={"help": "what crosses groups at a sync: fp32 (exact), bf16, or int8 with one fp32 "
-                                          "scale per block of 256 (summed in fp32 either way)"})
+        default="fp32", metadata={"help": "what crosses groups at a sync: fp32 (exact), bf16, or int8 / int4 with "
+                                          "one fp32 scale per block of 256 (summed in fp32 either way; int4 "
+                                          "wants --fl-error-feedback)"})
     overlap_steps: int = field(
         default=0, metadata={"help": "start each sync in the background and keep training this many steps while it "
                                      "travels (K < H), then merge: the new anchor plus each group's own progress "
@@ -90,7 +92,7 @@ class FederationConfig:
                                        "loss exceeds this many times the best group's; 0 disables (groups with "
                                        "NaN/Inf shards are always left out)"})
     error_feedback: bool = field(
-        default=False, metadata={"help": "bf16/int8 sync: carry each rank's compression error into its next sync "
+        default=False, metadata={"help": "bf16/int8/int4 sync: carry each rank's compression error into its next sync "
                                          "(one more fp32 shard per rank)"})
 
     @property
@@ -105,8 +107,10 @@ class FederationConfig:
 
     @property
     def sync_bytes_per_element(self) -> float:
-        """Bytes one shard element occupies on the inter-group wire (int8: plus its block's scale)."""
-        return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}[self.sync_dtype]
+        """Bytes one shard element occupies on the inter-group wire (int8/int4: plus its block's scale)."""
+        if self.sync_dtype in QUANT_BITS:
+            return QUANT_BITS[self.sync_dtype] / 8 + 4.0 / QUANT_BLOCK
+        return {"fp32": 4.0, "bf16": 2.0}[self.sync_dtype]
 
     @property
     def outer_state_shards(self) -> int:
@@ -151,6 +155,6 @@ class FederationConfig:
         if self.sync_dtype not in SYNC_DTYPES:
             errors.append(f"sync_dtype={self.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}")
         elif self.error_feedback and self.sync_dtype == "fp32":
-            errors.append("error_feedback needs a compressed sync (sync_dtype bf16 or int8): fp32 loses nothing")
+            errors.append("error_feedback needs a compressed sync (sync_dtype bf16, int8 or int4): fp32 loses nothing")
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))

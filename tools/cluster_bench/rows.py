@@ -45,6 +45,10 @@ def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     rows.append(Row("fl-fsdp-int8", "FL+FSDP, int8 sync + EF", rpn, None, h, extra=int8))
     rows.append(Row("fl-fsdp-int8-overlap", "FL+FSDP, int8 + EF, overlap 1", rpn, None, h,
                     extra=(*int8, "--fl-overlap-steps", "1")))
+    int4 = ("--fl-sync-dtype", "int4", "--fl-error-feedback")
+    rows.append(Row("fl-fsdp-int4", "FL+FSDP, int4 sync + EF", rpn, None, h, extra=int4))
+    rows.append(Row("fl-fsdp-int4-overlap", "FL+FSDP, int4 + EF, overlap 1", rpn, None, h,
+                    extra=(*int4, "--fl-overlap-steps", "1")))
     if nodes >= 4 and rpn > 1 and nodes % 2 == 0:  # groups of two nodes: P = 2 replicas of a node's shard
         g = 2 * rpn
         rows.append(Row("fl-hsdp-naive", f"FL+HSDP {world // g}x(2x{rpn}) naive", g, rpn, h, replica_split=False))
