@@ -263,10 +263,23 @@ def format_bytes(n: float) -> str:
     return f"{sign}{value:.0f} B" if unit == 0 else f"{sign}{value:.1f} {units[unit]}"
 
 
-def checkpoint_bytes(num_params: int, num_groups: int, optimizer: str, sgd_momentum: float = 0.0) -> dict:
+def checkpoint_bytes(num_params: int, num_groups: int, optimizer: str, sgd_momentum: float = 0.0,
+                     outer_copies: int = 0) -> dict:
     """Checkpoint size on disk: fp32 parameters plus the optimizer's fp32 state per parameter
     (AdamW: two moments; SGD: a momentum buffer when momentum > 0), for every group ("exact")
-    or once ("compact")."""
+    or once ("compact"), plus in both modes `outer_copies` fp32 copies of the model that every
+    rank's saved sync state adds up to (anchors, outer state, error-feedback residuals)."""
     states = 2 if optimizer == "adamw" else (1 if sgd_momentum > 0 else 0)
     one_group = num_params * 4 * (1 + states)
-    return {"exact": one_group * num_groups, "compact": one_group}
+    outer = num_params * 4 * outer_copies
+    return {"exact": one_group * num_groups + outer, "compact": one_group + outer}
+
+
+def saved_outer_copies(fed, num_groups: int, replicas: int) -> int:
+    """fp32 model copies the ranks' saved sync state holds: each rank saves its persistent
+    shards (not the two in-flight buffers of an overlapped sync: a save lands it first), and
+    the shards of all ranks of the F x P replicas cover the model F x P times."""
+    if num_groups < 2 or not fed.syncing:
+        return 0
+    persistent = fed.outer_state_shards - (2 if fed.overlap_steps else 0)
+    return persistent * num_groups * replicas

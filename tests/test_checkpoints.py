@@ -19,6 +19,8 @@ import torch
 from cli_utils import launch, pretrain_command, run_pretrain, step_records
 from fl_megatron.checkpoint import TRACKER, published_iterations
 from fl_megatron.checkpoint.reader import CheckpointReader
+from fl_megatron.config.parallel import FederationConfig
+from fl_megatron.costs import checkpoint_bytes, saved_outer_copies
 from fl_megatron.faults import FAULT_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(900)
@@ -78,7 +80,16 @@ def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path):
     """The anchors, Nesterov momentum and int8 error-feedback residuals are saved per rank."""
     _exact_resume(tmp_path, "fsdp2", "--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
                   "--fl-error-feedback")
-    assert len(list((tmp_path / "ckpt" / "iter_0000006" / "outer").glob("rank_*.safetensors"))) == 4
+    files = list((tmp_path / "ckpt" / "iter_0000006" / "outer").glob("rank_*.safetensors"))
+    assert len(files) == 4
+    # the dry run's checkpoint size counts them: anchor + momentum + residual, per rank, 2 groups
+    fed = FederationConfig(sync_interval=4, outer_optimizer="nesterov", sync_dtype="int8", error_feedback=True)
+    reader = CheckpointReader(tmp_path / "ckpt")
+    num_params = sum(reader.tensor(n, reader.groups[0]).numel() for n in reader.names)
+    with_outer = checkpoint_bytes(num_params, 2, "adamw", outer_copies=saved_outer_copies(fed, 2, 1))["exact"]
+    predicted = with_outer - checkpoint_bytes(num_params, 2, "adamw")["exact"]
+    saved = sum(f.stat().st_size for f in files)
+    assert predicted <= saved <= 1.05 * predicted, (saved, predicted)  # + headers and padding
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")

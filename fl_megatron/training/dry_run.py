@@ -8,8 +8,8 @@ per-rank memory estimate and communication per step and per sync from the formul
 from ..config import ResolvedRun, RunConfig
 from ..cost_model.compare import compare_text
 from ..cost_model.workload import gradient_bytes, workload_for
-from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes, step_comm,
-                     sync_comm)
+from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes,
+                     saved_outer_copies, step_comm, sync_comm)
 from ..models import build_model
 from ..topology import Layout
 from .console import batch_line, federation_line
@@ -50,12 +50,15 @@ def _backend_line(cfg: RunConfig, layout: Layout) -> str:
 
 def _checkpoint_line(cfg: RunConfig, layout: Layout, num_params: int) -> str:
     """Checkpoint size in both modes (the chosen one marked)."""
-    sizes = checkpoint_bytes(num_params, layout.num_groups, cfg.training.optimizer, cfg.training.sgd_momentum)
+    outer = saved_outer_copies(cfg.federation, layout.num_groups, layout.replicas)
+    sizes = checkpoint_bytes(num_params, layout.num_groups, cfg.training.optimizer, cfg.training.sgd_momentum,
+                             outer_copies=outer)
     chosen = cfg.checkpoint.ckpt_mode
     parts = [f"{mode} {format_bytes(n)}{' (chosen)' if mode == chosen else ''}" for mode, n in sizes.items()]
     where = f" in {cfg.checkpoint.save}" if cfg.checkpoint.save else " (not saving: no --save)"
+    extra = f"; both with {format_bytes(num_params * 4 * outer)} of sync state" if outer else ""
     return (f"  checkpoint size{where}: {', '.join(parts)} "
-            f"(exact: {layout.num_groups} groups' parameters and optimizer states; compact: one)")
+            f"(exact: {layout.num_groups} groups' parameters and optimizer states; compact: one{extra})")
 
 
 def dry_run_report(run: ResolvedRun) -> str:
