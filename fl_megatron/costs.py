@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Dict, List, Optional, Tuple
 
+from fl_megatron.graph_fit import out_degree
 from fl_megatron.topology import (Layout, peer_groups, replica_groups, shard_groups,
                                   spans_nodes)
 
@@ -89,7 +90,10 @@ def group_tier(layout: Layout, group: str) -> str:
 
 
 def ring_volume(op: str, elements: float, ranks: int) -> float:
-    """Elements sent per rank by a ring collective over `ranks` ranks on `elements` data."""
+    """Elements sent per rank by a ring collective over `ranks` ranks on `elements` data (a gossip
+    round's point-to-point "send" moves its elements as they are)."""
+    if op == "send":
+        return elements
     factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[op]
     return factor * elements * (ranks - 1) / ranks
 
@@ -147,22 +151,27 @@ def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
 
 
 def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
-              replica_split: bool = True) -> CommBreakdown:
-    """Per-rank traffic of one federation average over the F groups (fp32 master shards).
+              replica_split: bool = True, graph: str = "complete") -> CommBreakdown:
+    """Per-rank traffic of one federation sync over the F groups (fp32 master shards).
 
     FSDP: all-reduce of the Psi/G shard over the peer group: 2*(Psi/G)*(F-1)/F.
     HSDP naive: every replica all-reduces its Psi/S shard: 2*(Psi/S)*(F-1)/F.
     HSDP with replica_split: each replica averages a 1/P slice, 2*(Psi/(S*P))*(F-1)/F,
     then the replica group all-gathers the slices: (Psi/S)*(P-1)/P.
+    A gossip `graph` sends the same piece to each of its out-neighbours instead (none: nothing).
     """
     _check_params(num_params)
     f, p, s = layout.num_groups, layout.replicas, layout.shard_size
-    if f <= 1:
+    if f <= 1 or graph == "none":
         return CommBreakdown()
     split = replica_split and p > 1
     shard = num_params / s
-    entries = _collective(layout, "all_reduce_peers", "all_reduce", "peer", f,
-                          shard / p if split else shard, master_bytes)
+    piece = shard / p if split else shard
+    if graph == "complete":
+        entries = _collective(layout, "all_reduce_peers", "all_reduce", "peer", f, piece, master_bytes)
+    else:
+        entries = [Collective(f"gossip_{graph}", "send", "peer", f, INTER_GROUP, group_tier(layout, "peer"),
+                              piece * out_degree(graph, f), master_bytes)]
     if split:
         entries += _collective(layout, "all_gather_replica_slices", "all_gather", "replica",
                                p, shard, master_bytes)
@@ -172,7 +181,7 @@ def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
 def average_per_step(layout: Layout, num_params: int, sync_interval: int,
                      param_bytes: int = 2, grad_bytes: int = 4, master_bytes: int = 4,
                      replica_split: bool = True, micro_batches: int = 1,
-                     gathered_once: bool = False) -> Dict[str, float]:
+                     gathered_once: bool = False, graph: str = "complete") -> Dict[str, float]:
     """Per-rank bytes per optimizer step, the sync amortised over sync_interval (H) steps.
 
     H = 0 means no federation sync. Keys: "total", the tiers ("intra-node",
@@ -181,7 +190,7 @@ def average_per_step(layout: Layout, num_params: int, sync_interval: int,
     if sync_interval < 0:
         raise ValueError(f"sync_interval={sync_interval} must be >= 0 (0: no sync)")
     step = step_comm(layout, num_params, param_bytes, grad_bytes, micro_batches, gathered_once=gathered_once)
-    sync = (sync_comm(layout, num_params, master_bytes, replica_split) if sync_interval
+    sync = (sync_comm(layout, num_params, master_bytes, replica_split, graph) if sync_interval
             else CommBreakdown())
     weight = 1 / sync_interval if sync_interval else 0.0
     out = {key: step.bytes_by_tier[key] + weight * sync.bytes_by_tier[key] for key in TIERS}

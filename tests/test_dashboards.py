@@ -137,6 +137,9 @@ def test_wandb_gets_every_record_with_its_step_from_the_writer_only(monkeypatch,
     assert run.finished and files.closed and [r["step"] for r in files.lines] == [2, 2]
 
 
+MIB = 2 ** 20
+
+
 def _write_run(directory: Path, steps: list, evals: list) -> None:
     directory.mkdir()
     lines = [json.dumps(r) for r in steps + evals] + ['{"step": 99, "lo']  # a torn last line
@@ -176,6 +179,19 @@ def test_plot_runs_draws_each_runs_values(tmp_path, capsys):
     assert lines("eval_loss_vs_tokens.png") == {"A": ([300.0], [4.1])}
     assert lines("bytes_per_tier.png", 0) == {"A": ([1, 2, 3], [1.0, 2.0, 3.0]), "B": ([1, 2, 3], [1.0, 2.0, 3.0])}
     assert lines("bytes_per_tier.png", 1) == {"A": ([1, 2, 3], [0.0, 0.0, 0.0]), "B": ([1, 2, 3], [10.0, 20.0, 30.0])}
+
+    assert "consensus.png" not in figures  # no run measured DBench metrics
+
+    # a gossip run: consensus before each sync (log scale), the graph it used, cumulative bytes
+    c = [dict(_step(2, 5.0, 1.0), consensus_relative=2e-4, graph="complete", group_bytes=[MIB, MIB]),
+         dict(_step(4, 4.8, 2.0), consensus_relative=1e-4, graph="none", group_bytes=[0, 0]),
+         dict(_step(6, 4.6, 3.0), consensus_relative=3e-4, graph="one-peer-exponential", group_bytes=[MIB, 3 * MIB])]
+    _write_run(tmp_path / "c", c, [])
+    gossip = tool.plot_runs([tool.load_run(tmp_path / "c", "C")])["consensus.png"]
+    left, right = gossip.axes
+    assert [(ln.get_label(), list(ln.get_ydata())) for ln in left.get_lines()] == [("C", [2e-4, 1e-4, 3e-4])]
+    assert sorted(col.get_label() for col in left.collections) == ["C: complete", "C: none", "C: one-peer-exponential"]
+    assert [list(ln.get_ydata()) for ln in right.get_lines()] == [[2.0, 2.0, 6.0]]
 
     assert tool.main([str(tmp_path / "a"), str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "missing has no metrics.jsonl" in capsys.readouterr().err

@@ -204,6 +204,11 @@ class DeepSpeedBackend:
         """The flat fp32 master partitions, one per optimizer sub-group (updated in place)."""
         return list(self.optimizer.fp32_partitioned_groups_flat)
 
+    def named_shards(self) -> list[tuple[str, torch.Tensor]]:
+        """The flat fp32 master partitions, named by optimizer sub-group (ZeRO-3 flattens the
+        parameters of a sub-group into one partition, so per-tensor metrics are per sub-group)."""
+        return [(f"sub_group.{i}", t) for i, t in enumerate(self.optimizer.fp32_partitioned_groups_flat)]
+
     def inner_state_shards(self) -> list[torch.Tensor]:
         """Adam moments of the flat fp32 master partitions."""
         return state_tensors(self.optimizer.optimizer, list(self.optimizer.fp32_partitioned_groups_flat))

@@ -131,6 +131,11 @@ class FSDP2Backend:
         return [self._flat.narrow(0, a, b) if kind == "flat" else a.to_local()
                 for kind, a, b in self._shard_list]
 
+    def named_shards(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter's name with this rank's fp32 shard of it (possibly empty), in the
+        model's order (the same on every rank): per-tensor consensus metrics."""
+        return [(name, p.to_local().reshape(-1)) for name, p in self.model.named_parameters()]
+
     def inner_state_shards(self) -> list[torch.Tensor]:
         """AdamW moments / SGD momentum of every parameter's local shard, parameter by parameter."""
         return state_tensors(self.optimizer, list(self.model.parameters()),

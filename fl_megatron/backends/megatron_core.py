@@ -156,6 +156,13 @@ class MegatronBackend:
         """The fp32 main shards the inner optimizer updates, in megatron's (deterministic) order."""
         return [main for _, main, _, _ in self._main_pairs()]
 
+    def named_shards(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter's (megatron) name with this rank's fp32 main shard of it (empty when
+        this rank holds none), in the model's order: per-tensor consensus metrics."""
+        mains = {id(param): main for param, main, _, _ in self._main_pairs()}
+        empty = torch.zeros(0, device=next(iter(mains.values())).device if mains else "cpu")
+        return [(name, mains.get(id(p), empty).reshape(-1)) for name, p in self.gpt.named_parameters()]
+
     def inner_state_shards(self) -> list[torch.Tensor]:
         """Adam moments (or SGD momentum) of every fp32 main shard, in the main shards' order."""
         return [t for opt in self._dist_opts

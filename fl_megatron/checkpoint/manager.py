@@ -72,6 +72,7 @@ class Checkpointer:
         if self.is_writer:
             meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
                                   self.options.ckpt_mode, saved_groups, self.run.cfg.to_dict())
+            meta["federation"]["schedule"] = self.engine.schedule.state()
             meta["manifest"] = manifest(staging)
             write_text_durably(staging / METADATA, json.dumps(meta, indent=1) + "\n")
             publish(root, iteration)
@@ -109,6 +110,10 @@ class Checkpointer:
             self.engine.restart_outer_state()
             notes.append("outer optimizer state and error-feedback residuals restarted from the loaded weights "
                          "(none saved for this layout)")
+        saved_fed, fed = meta["config"]["federation"], self.run.cfg.federation
+        if "schedule" in meta["federation"] and (saved_fed.get("topology"), saved_fed.get("ada_graphs")) == (
+                fed.topology, fed.ada_graphs):
+            self.engine.schedule.load_state(meta["federation"]["schedule"])
         iteration = meta["iteration"]
         say(f"  resumed from {path} (step {iteration}"
             + ("" if self.options.load_optim else ", optimizer state not loaded") + ")"

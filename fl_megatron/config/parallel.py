@@ -3,12 +3,15 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..graph_fit import ADA_LEVELS, TOPOLOGIES
+
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
 SYNC_DTYPES = ("fp32", "bf16", "int8", "int4")
 QUANT_BLOCK = 256  # elements sharing one fp32 scale in an int8/int4 sync
 QUANT_BITS = {"int8": 8, "int4": 4}
 INNER_STATE_POLICIES = ("keep", "average", "reset")
+
 # the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
 DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
 
@@ -91,6 +94,35 @@ class FederationConfig:
         default=0.0, metadata={"help": "at a sync, also leave out (and reset to the others' average) a group whose "
                                        "loss exceeds this many times the best group's; 0 disables (groups with "
                                        "NaN/Inf shards are always left out)"})
+    topology: str = field(
+        default="complete", metadata={"help": "which groups exchange shards at a sync: complete (FedAvg, the "
+                                              "all-reduce), ring, torus, exponential, one-peer-exponential (gossip: "
+                                              "each group mixes with its neighbours, fp32) or ada (a graph chosen "
+                                              "at each sync from the measured consensus distance); the last sync "
+                                              "is always a full average"})
+    global_average_interval: int = field(
+        default=0, metadata={"help": "gossip topologies: make every M-th sync a full average (0: never)"})
+    ada_graphs: str = field(
+        default="none,one-peer-exponential,complete",
+        metadata={"help": "ada: the graphs it moves between, sparse to dense, comma-separated (none: no exchange)"})
+    ada_low: float = field(
+        default=1.5, metadata={"help": "ada: go one graph sparser when the relative consensus distance is below "
+                                       "this many times the drift reference (its value one interval after a full "
+                                       "average)"})
+    ada_high: float = field(
+        default=3.0, metadata={"help": "ada: go one graph denser when it is above this many times the reference"})
+    ada_hold: int = field(
+        default=1, metadata={"help": "ada: syncs to stay on a graph after a change before the next change"})
+    ada_warmup: int = field(
+        default=2, metadata={"help": "ada: syncs on the densest graph first (the early phase matters most)"})
+    dbench_metrics: bool = field(
+        default=False, metadata={"help": "measure DBench metrics before every sync: consensus distance overall and "
+                                         "per tensor, each group's parameter norm and bytes sent (always on for "
+                                         "gossip topologies; one all-reduce of a fp64 sample, --fl-consensus-samples)"})
+    consensus_samples: int = field(
+        default=65536, metadata={"help": "DBench metrics: shard elements per rank sampled for the consensus distance "
+                                         "(contiguous blocks at the same places on every peer); 0 takes every "
+                                         "element: exact, but the sample then moves the whole shard in fp64"})
     error_feedback: bool = field(
         default=False, metadata={"help": "bf16/int8/int4 sync: carry each rank's compression error into its next sync "
                                          "(one more fp32 shard per rank)"})
@@ -121,6 +153,24 @@ class FederationConfig:
             return 0
         return ({"fedavg": 1, "nesterov": 2, "adam": 3}[self.outer_optimizer] + int(self.error_feedback)
                 + (2 if self.overlap_steps else 0))
+
+    @property
+    def gossip(self) -> bool:
+        """Whether syncs may mix with neighbour groups instead of averaging over all of them."""
+        return self.topology != "complete"
+
+    @property
+    def measures_consensus(self) -> bool:
+        return self.gossip or self.dbench_metrics
+
+    @property
+    def densest_graph(self) -> str:
+        """The graph a sync uses at most: the topology, or Ada's densest (dry run and cost model)."""
+        return self.ada_ladder[-1] if self.topology == "ada" else self.topology
+
+    @property
+    def ada_ladder(self) -> list[str]:
+        return [g.strip() for g in self.ada_graphs.split(",") if g.strip()]
 
     @property
     def syncing(self) -> bool:
@@ -156,5 +206,32 @@ class FederationConfig:
             errors.append(f"sync_dtype={self.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}")
         elif self.error_feedback and self.sync_dtype == "fp32":
             errors.append("error_feedback needs a compressed sync (sync_dtype bf16, int8 or int4): fp32 loses nothing")
+        errors += self._gossip_errors()
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))
+
+    def _gossip_errors(self) -> list[str]:
+        """Problems of the topology settings that do not depend on the number of groups."""
+        if self.topology not in TOPOLOGIES:
+            return [f"topology={self.topology!r} is not one of {', '.join(TOPOLOGIES)}"]
+        errors = []
+        if self.consensus_samples < 0:
+            errors.append(f"consensus_samples={self.consensus_samples} must be >= 0 (0: every element)")
+        if self.global_average_interval < 0:
+            errors.append(f"global_average_interval={self.global_average_interval} must be >= 0 (0: never)")
+        if self.gossip and not (self.outer_optimizer == "fedavg" and self.resolved_outer_lr == 1.0
+                                and self.sync_dtype == "fp32" and self.overlap_steps == 0):
+            errors.append(f"topology={self.topology} mixes fp32 parameters directly: it needs the plain average "
+                          "(outer_optimizer fedavg with outer_lr 1, sync_dtype fp32, no overlap_steps); outer "
+                          "optimizers, compression and overlap work with topology complete")
+        if self.topology == "ada":
+            unknown = [g for g in self.ada_ladder if g not in ADA_LEVELS]
+            if unknown or len(self.ada_ladder) < 2:
+                errors.append(f"ada_graphs={self.ada_graphs!r} must list at least two of {', '.join(ADA_LEVELS)}, "
+                              f"sparse to dense" + (f" ({', '.join(unknown)} unknown)" if unknown else ""))
+            if not 1 <= self.ada_low < self.ada_high:
+                errors.append(f"ada_low={self.ada_low} and ada_high={self.ada_high} must satisfy 1 <= low < high "
+                              "(a band around the drift of one interval)")
+            if self.ada_hold < 1 or self.ada_warmup < 0:
+                errors.append(f"ada_hold={self.ada_hold} must be >= 1 and ada_warmup={self.ada_warmup} >= 0")
+        return errors

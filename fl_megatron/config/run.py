@@ -4,6 +4,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..graph_fit import topology_problem
 from ..topology import Layout, make_layout
 from .checkpoint import CheckpointConfig
 from .cluster import ClusterConfig
@@ -99,4 +100,9 @@ class RunConfig:
             raise ValueError(f"vocab_size={m.vocab_size} is smaller than the tokenizer's "
                              f"tokenizer_vocab_size={self.data.tokenizer_vocab_size}: token ids would "
                              f"fall outside the embedding")
+        fed = self.federation
+        for name in [fed.topology] + (fed.ada_ladder if fed.topology == "ada" else []):
+            problem = topology_problem(name, layout.num_groups) if name != "none" else None
+            if problem and fed.syncing:
+                raise ValueError(problem)
         return layout

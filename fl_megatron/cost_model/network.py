@@ -82,7 +82,7 @@ def collective_time(c: Collective, layout: Layout, cluster: Cluster) -> Collecti
     busiest = max(leaving.values(), default=0)
     inter_s = busiest * per_edge * cluster.wire_overhead * 8 / (cluster.inter_node_gbps * 1e9)
     intra_s = per_edge * 8 / (cluster.intra_node_gbps * 1e9) if local else 0.0
-    ring_steps = (2 if op == "all_reduce" else 1) * (c.group_size - 1)
+    ring_steps = 1 if op == "send" else (2 if op == "all_reduce" else 1) * (c.group_size - 1)
     latency_us = cluster.inter_node_latency_us if leaving else cluster.intra_node_latency_us
     seconds = max(inter_s, intra_s) + c.calls * ring_steps * latency_us * 1e-6
     wire = sum(leaving.values()) * per_edge * cluster.wire_overhead

@@ -40,6 +40,7 @@ class Variant:
     sync_interval: int = 0
     replica_split: bool = True
     overlap_steps: int = 0  # --fl-overlap-steps: the sync travels while K steps train
+    graph: str = "complete"  # --fl-topology: the graph of a sync (ada: its densest)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def predict(variant: Variant, work: Workload, cluster: Cluster, overlap: float =
     compute = work.compute_seconds if compute_seconds is None else compute_seconds
     step = _timed(step_comm(layout, work.num_params, work.param_bytes, work.grad_bytes, work.micro_batches,
                             work.regathered_params, work.units, work.gathered_once), layout, cluster)
-    sync = _timed(sync_comm(layout, work.num_params, work.master_bytes, variant.replica_split), layout,
+    sync = _timed(sync_comm(layout, work.num_params, work.master_bytes, variant.replica_split, variant.graph), layout,
                   cluster) if variant.sync_interval else ()
     comm = sum(t.seconds for t in step)
     gathers = step_comm(layout, work.num_params, work.param_bytes, micro_batches=max(work.eval_forwards, 1),

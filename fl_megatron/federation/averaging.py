@@ -16,22 +16,11 @@ import torch.distributed as dist
 
 from .chunks import Chunk, plan_chunks
 from .compression import compressed_mean_
+from .consensus import sampled_blocks
+from .graphs import Round
 from .ledger import CommLedger
 
 MAX_PACKED_IN_FLIGHT = 2  # packed bucket buffers alive at once (double buffering)
-SAMPLE_BLOCK = 1024       # the variance metric samples contiguous blocks of this many elements
-
-
-def _sampled(region: torch.Tensor, valid: int, stride: int) -> torch.Tensor:
-    """Every `stride`-th block of SAMPLE_BLOCK elements of region[:valid], as a view.
-
-    Blocks, not single elements, so that sampling touches only ~1/stride of the memory.
-    """
-    head = region.narrow(0, 0, valid)
-    if stride == 1:
-        return head
-    blocks = valid // SAMPLE_BLOCK
-    return head.narrow(0, 0, blocks * SAMPLE_BLOCK).view(blocks, SAMPLE_BLOCK)[::stride]
 
 
 def gather_slices(buffer: torch.Tensor, slice_index: int, group) -> None:
@@ -72,6 +61,9 @@ class _InFlight:
     sample: torch.Tensor          # own values of the sampled blocks, before averaging
     work: Optional[dist.Work] = field(default=None)
     divisor: Optional[int] = None  # a SUM to divide (some groups left out); None: averaged already
+    mixing: Optional[Round] = None  # a gossip round: mix `received` into the region when done
+    received: list = field(default_factory=list)
+    gossip_works: list = field(default_factory=list)
 
 
 class ShardAverager:
@@ -107,11 +99,15 @@ class ShardAverager:
 
     @torch.no_grad()
     def average(self, shards: list[torch.Tensor], include: bool = True,
-                contributors: Optional[int] = None) -> SyncStats:
+                contributors: Optional[int] = None, mixing: Optional[Round] = None) -> SyncStats:
         """Replace every shard by its average over the federation groups, in place.
 
         `contributors` < the number of groups leaves some groups out: those ranks pass
-        `include=False`, send zeros, and receive the mean of the others."""
+        `include=False`, send zeros, and receive the mean of the others. With `mixing` (a
+        gossip round, fp32 only) each shard becomes its weighted mix with the same shard of
+        the round's neighbour groups instead, by point-to-point sends and receives."""
+        if mixing is not None and (self.sync_dtype != "fp32" or contributors is not None):
+            raise ValueError("a gossip round mixes fp32 shards of every group (no compression, nobody left out)")
         for i, s in enumerate(shards):
             if not s.is_contiguous():
                 raise ValueError(f"shard {i} is not contiguous; the backend must hand out contiguous shards")
@@ -131,7 +127,7 @@ class ShardAverager:
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
                 packed_alive -= self._finish(pending.popleft(), flats, stats, sums)
             pending.append(self._start(chunk, flats, stride, stats, index, include,
-                                       contributors if left_out else None))
+                                       contributors if left_out else None, mixing))
             packed_alive += not chunk.inplace
         while pending:
             self._finish(pending.popleft(), flats, stats, sums)
@@ -139,7 +135,8 @@ class ShardAverager:
         return stats
 
     def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats, index: int = 0,
-               include: bool = True, contributors: Optional[int] = None) -> _InFlight:
+               include: bool = True, contributors: Optional[int] = None,
+               mixing: Optional[Round] = None) -> _InFlight:
         if chunk.inplace:
             seg = chunk.segments[0]
             buffer = flats[seg.index].narrow(0, seg.start, seg.length)
@@ -151,9 +148,16 @@ class ShardAverager:
         start = self.replica_index * part
         region = buffer.narrow(0, start, part)
         valid = max(0, min(part, chunk.length - start))
-        sample = _sampled(region, valid, stride).clone()
-        work, divisor = None, None
-        if self.sync_dtype != "fp32":
+        sample = sampled_blocks(region.narrow(0, 0, valid), stride).clone()
+        work, divisor, received, gossip_works = None, None, [], []
+        if mixing is not None:
+            received = [torch.empty_like(region) for _ in mixing.receives]
+            ops = [dist.P2POp(dist.isend, region, group=self.peer_group, group_peer=g) for g in mixing.sends]
+            ops += [dist.P2POp(dist.irecv, buf, group=self.peer_group, group_peer=g)
+                    for buf, (g, _) in zip(received, mixing.receives)]
+            gossip_works = dist.batch_isend_irecv(ops) if ops else []
+            nbytes = region.numel() * region.element_size() * len(mixing.sends)
+        elif self.sync_dtype != "fp32":
             residual = None
             if self.error_feedback:
                 residual = self.residuals.setdefault(index, torch.zeros_like(region))
@@ -172,16 +176,22 @@ class ShardAverager:
         stats.collectives += 1
         if self.ledger is not None:
             self.ledger.add("inter-group", self.peer_tier, nbytes)
-        return _InFlight(chunk, buffer, region, valid, stride, sample, work, divisor)
+        return _InFlight(chunk, buffer, region, valid, stride, sample, work, divisor, mixing, received, gossip_works)
 
     def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats,
                 sums: torch.Tensor) -> int:
         """Complete one piece; returns 1 if it freed a packed buffer."""
         if item.work is not None:
             item.work.wait()
+        for work in item.gossip_works:
+            work.wait()
+        if item.mixing is not None:
+            item.region.mul_(item.mixing.self_weight)
+            for buf, (_, weight) in zip(item.received, item.mixing.receives):
+                item.region.add_(buf, alpha=weight)
         if item.divisor is not None:
             item.region.div_(item.divisor)
-        averaged = _sampled(item.region, item.valid, item.stride).double()
+        averaged = sampled_blocks(item.region.narrow(0, 0, item.valid), item.stride).double()
         # a left-out group's own values may be non-finite: they count as its distance from the mean
         sums[0] += (item.sample.double().nan_to_num(0.0, 0.0, 0.0) - averaged).pow(2).sum()
         sums[1] += averaged.pow(2).sum()

@@ -8,8 +8,12 @@ import torch
 import torch.distributed as dist
 
 from ..config.parallel import FederationConfig
+from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
+from .consensus import Consensus, measure
 from .contract import ShardOwner
+from ..graph_fit import wire_shards_per_sync
+from .graphs import gossip_round
 from .groups import ProcessGroups
 from .health import AllGroupsSick, sick_groups
 from .ledger import CommLedger
@@ -26,9 +30,11 @@ class SyncResult:
     seconds: float
     inter_group_bytes: int
     intra_group_bytes: int
-    variance: float     # mean over parameter elements of the variance across groups (sampled)
-    param_rms: float    # root mean square of the averaged parameters (same sample)
+    variance: float     # mean over parameter elements of the variance across groups, before the sync
+    param_rms: float    # root mean square of the groups' parameters before the sync
     sick_groups: tuple = ()  # groups left out of this average and reset to it
+    graph: str = "complete"  # the communication graph of this sync (--fl-topology)
+    consensus: Optional[Consensus] = None  # DBench metrics, measured before anything moved
 
 
 class FederationEngine:
@@ -60,6 +66,7 @@ class FederationEngine:
                                         config.resolved_outer_lr, config.outer_momentum)
         self.overlapper = Overlapper() if self.active and config.overlap_steps else None
         self.flight: Optional[InFlight] = None
+        self.schedule = GraphSchedule(config)
 
     @property
     def active(self) -> bool:
@@ -78,7 +85,7 @@ class FederationEngine:
         if self.overlapper is not None and not last:
             self._launch(step, loss)
             return landed
-        return self.sync(step, loss)
+        return self.sync(step, loss, full=last)
 
     def _health(self, step: int, shards: list, loss) -> tuple[list, bool, Optional[int]]:
         """(sick groups, whether this rank's group contributes, contributors or None if all)."""
@@ -94,10 +101,11 @@ class FederationEngine:
         """Start a sync in the background (--fl-overlap-steps): it lands K steps later."""
         shards = self.backend.local_shards()
         sick, include, contributors = self._health(step, shards, loss)
+        consensus = self._measure() if self.config.measures_consensus else None
         average = lambda buffers: self.averager.average(buffers, include, contributors)  # noqa: E731
         self.flight = self.overlapper.launch(average, self.outer, shards, step=step,
                                              due=step + self.config.overlap_steps, include=include,
-                                             contributors=contributors, sick=tuple(sick))
+                                             contributors=contributors, sick=tuple(sick), consensus=consensus)
 
     def land(self) -> SyncResult:
         """Wait for the sync in flight and merge it (a checkpoint calls this before saving)."""
@@ -108,31 +116,67 @@ class FederationEngine:
         Overlapper.land(flight, self.outer, shards)
         self._inner_state(stats, flight.include, flight.contributors)
         self.backend.refresh_after_sync()
-        variance, rms = self._global_metrics(stats, shards)
-        return SyncResult(flight.step, time.perf_counter() - start, stats.inter_group_bytes,
-                          stats.intra_group_bytes, variance, rms, flight.sick)
+        return self._result(flight.step, start, stats, flight.consensus, Choice("complete"), flight.sick, shards)
 
-    def sync(self, step: int, loss: Optional[torch.Tensor] = None) -> SyncResult:
-        """Average now (collective over all ranks). Groups whose shards hold NaN/Inf (or whose
-        loss is past --fl-sick-loss-ratio times the best group's) are left out and reset to the
-        average of the others; AllGroupsSick if no group is left."""
+    def sync(self, step: int, loss: Optional[torch.Tensor] = None, full: bool = True) -> SyncResult:
+        """Sync now (collective over all ranks): measure the consensus, then average over all
+        groups or, unless `full`, mix along this sync's graph (--fl-topology). Groups whose
+        shards hold NaN/Inf (or whose loss is past --fl-sick-loss-ratio times the best group's)
+        are left out of a full average and reset to the others'; AllGroupsSick if no group is left."""
         if self.flight is not None:
             self.land()
         start = time.perf_counter()
         shards = self.backend.local_shards()
         sick, include, contributors = self._health(step, shards, loss)
-        if self.outer is not None:
-            self.outer.to_pseudo_gradients(shards)
-        stats = self.averager.average(shards, include, contributors)
-        if self.outer is not None:
-            self.outer.step(shards)
+        consensus = self._measure() if self.config.measures_consensus else None
+        choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
+        if choice.graph == "complete":
+            if self.outer is not None:
+                self.outer.to_pseudo_gradients(shards)
+            stats = self.averager.average(shards, include, contributors)
+            if self.outer is not None:
+                self.outer.step(shards)
+            self.last_synced_step = step
+        elif choice.graph == "none":
+            stats = SyncStats()
+        else:
+            layout, group = self.groups.layout, self.groups.coords[0]
+            stats = self.averager.average(shards, mixing=gossip_round(choice.graph, layout.num_groups, group,
+                                                                      choice.round_index))
         self._inner_state(stats, include, contributors)
-        self.backend.refresh_after_sync()
-        seconds = time.perf_counter() - start
-        self.last_synced_step = step
-        variance, rms = self._global_metrics(stats, shards if self.outer is not None else None)
-        return SyncResult(step, seconds, stats.inter_group_bytes, stats.intra_group_bytes, variance, rms,
-                          tuple(sick))
+        if choice.graph != "none":
+            self.backend.refresh_after_sync()
+        return self._result(step, start, stats, consensus, choice, tuple(sick),
+                            shards if self.outer is not None else None)
+
+    def _measure(self) -> Consensus:
+        """DBench metrics of the shards as they are (before the sync moves anything)."""
+        views = self.backend.named_shards() if hasattr(self.backend, "named_shards") else \
+            [(f"shard.{i}", s) for i, s in enumerate(self.backend.local_shards())]
+        group, replica, _ = self.groups.coords
+        return measure(views, self.groups.peer, self.groups.layout.num_groups, group, counts=replica == 0,
+                       device_type=self.groups.mesh.device_type, max_samples=self.config.consensus_samples)
+
+    def _result(self, step: int, start: float, stats: SyncStats, consensus: Optional[Consensus], choice: Choice,
+                sick: tuple, shards=None) -> SyncResult:
+        """The sync's result. With DBench metrics: the bytes each group sent (an all-reduce at its
+        ring size on the wire, the metric's sample too) go into the consensus record; without
+        them the variance comes from the average itself (free)."""
+        if consensus is None:
+            variance, rms = self._global_metrics(stats, shards)
+            return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
+                              variance, rms, sick, choice.graph)
+        groups = self.groups.layout.num_groups
+        ring = wire_shards_per_sync("complete", groups)
+        self.ledger.add("inter-group", self.groups.tier("peer"), consensus.sample_bytes)
+        wire = stats.inter_group_bytes * (ring if choice.graph == "complete" else 1.0) + consensus.sample_bytes * ring
+        per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.mesh.device_type)
+        per_group[self.groups.coords[0]] = wire
+        dist.all_reduce(per_group)
+        consensus.group_bytes = [int(b) for b in per_group.tolist()]
+        rms = (sum(n * n for n in consensus.group_norms) / groups / max(1.0, consensus.elements)) ** 0.5
+        return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
+                          consensus.variance, rms, sick, choice.graph, consensus)
 
     def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int]) -> None:
         """--fl-inner-state: keep, average (left-out groups take the others' mean) or reset; a

@@ -32,6 +32,7 @@ class InFlight:
     include: bool
     contributors: object
     sick: tuple
+    consensus: object = None  # DBench metrics measured at launch
 
 
 class Overlapper:

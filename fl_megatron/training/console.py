@@ -20,7 +20,10 @@ def progress_line(record: dict, total_steps: int, eta_seconds: float) -> str:
              f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}",
              f"grad {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("synced"):
-        parts.append(f"sync {record['sync_seconds'] * 1e3:.0f} ms var {record['param_variance']:.2e}")
+        sync = f"sync {record['sync_seconds'] * 1e3:.0f} ms var {record['param_variance']:.2e}"
+        if "graph" in record:
+            sync += f" {record['graph']} consensus {record['consensus_distance']:.3e} ({record['consensus_relative']:.2e} rel)"
+        parts.append(sync)
     parts.append(f"ETA {format_duration(eta_seconds)}")
     return " | ".join(parts)
 
@@ -51,4 +54,9 @@ def federation_line(layout: Layout, fed: FederationConfig) -> str:
         if fed.outer_optimizer != "fedavg":
             outer += f" momentum {fed.outer_momentum:g}"
         outer += f", {fed.sync_dtype} sync" + (" with error feedback" if fed.error_feedback else "")
+    if fed.gossip:
+        graph = f"ada over {' < '.join(fed.ada_ladder)}" if fed.topology == "ada" else f"{fed.topology} gossip"
+        full = f", a full average every {fed.global_average_interval} syncs" if fed.global_average_interval else ""
+        return (f"  federation: {graph} every {fed.sync_interval} steps{full}, a full average after the last"
+                f"{split}; DBench metrics at every sync")
     return f"  federation: average every {fed.sync_interval} steps and after the last{split}{outer}"

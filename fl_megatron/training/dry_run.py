@@ -61,6 +61,17 @@ def _checkpoint_line(cfg: RunConfig, layout: Layout, num_params: int) -> str:
             f"(exact: {layout.num_groups} groups' parameters and optimizer states; compact: one{extra})")
 
 
+def _ada_lines(layout: Layout, num_params: int, fed) -> list[str]:
+    """What one sync sends on each graph of the Ada ladder (bytes per rank, by tier)."""
+    lines = ["  ada: per sync on each graph of its ladder (per rank):"]
+    for graph in fed.ada_ladder:
+        tiers = sync_comm(layout, num_params, master_bytes=fed.sync_bytes_per_element,
+                          replica_split=fed.replica_split, graph=graph).bytes_by_tier
+        lines.append(f"    {graph:<22} intra-node {format_bytes(tiers['intra-node'])}, "
+                     f"inter-node {format_bytes(tiers['inter-node'])}")
+    return lines
+
+
 def dry_run_report(run: ResolvedRun) -> str:
     """The text --dry-run prints."""
     cfg, layout, accum = run.cfg, run.layout, run.accumulation
@@ -81,10 +92,12 @@ def dry_run_report(run: ResolvedRun) -> str:
     once = cfg.parallel.backend == "megatron"
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
                          gathered_once=once)
-    sync = sync_comm(layout, num_params, master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split)
+    graph = fed.densest_graph
+    sync = sync_comm(layout, num_params, master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
+                     graph=graph)
     amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg),
                                  master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
-                                 micro_batches=accum, gathered_once=once)
+                                 micro_batches=accum, gathered_once=once, graph=graph)
     lines = [
         "fl-megatron dry run (no processes started)",
         *("  " + line for line in layout.describe().splitlines()),
@@ -100,7 +113,9 @@ def dry_run_report(run: ResolvedRun) -> str:
         "",
         "  communication per rank (ring formulas, payload on the wire):",
         *_breakdown_lines(f"per optimizer step ({accum} micro-batch{'es' if accum > 1 else ''})", per_step),
-        *_breakdown_lines("per federation sync", sync if h else type(sync)()),
+        *_breakdown_lines(f"per federation sync ({graph})" if fed.gossip else "per federation sync",
+                          sync if h else type(sync)()),
+        *(_ada_lines(layout, num_params, fed) if h and fed.topology == "ada" else []),
         f"  per optimizer step, sync amortised over H={h}: intra-node {format_bytes(amortised['intra-node'])}, "
         f"inter-node {format_bytes(amortised['inter-node'])}",
         "",

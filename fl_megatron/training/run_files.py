@@ -27,22 +27,35 @@ class RunFiles:
     def __init__(self, run_dir: str, enabled: bool) -> None:
         self.dir = Path(run_dir)
         self.enabled = enabled
-        self._metrics = None
+        self._metrics = self._detail = None
+        self._resumed_at = 0
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
 
     def open_metrics(self, resumed_at: int = 0) -> None:
         """Start metrics.jsonl. A new run keeps the previous file aside as metrics.previous.jsonl;
-        a run resumed at step N keeps the records up to step N and continues after them."""
+        a run resumed at step N keeps the records up to step N and continues after them. The
+        per-tensor consensus detail (consensus.jsonl) follows the same rule when first written."""
+        self._resumed_at = resumed_at
+        self._metrics = self._open_jsonl("metrics")
+
+    def _open_jsonl(self, name: str):
         if not self.enabled:
-            return
-        metrics = self.dir / "metrics.jsonl"
-        if metrics.exists() and resumed_at:
-            kept = [line for line in metrics.read_text().splitlines() if _step_of(line) <= resumed_at]
-            atomic_write_text(metrics, "".join(line + "\n" for line in kept))
-        elif metrics.exists():
-            os.replace(metrics, self.dir / "metrics.previous.jsonl")
-        self._metrics = open(metrics, "a", buffering=1)
+            return None
+        path = self.dir / f"{name}.jsonl"
+        if path.exists() and self._resumed_at:
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= self._resumed_at]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+        elif path.exists():
+            os.replace(path, self.dir / f"{name}.previous.jsonl")
+        return open(path, "a", buffering=1)
+
+    def log_detail(self, record: dict) -> None:
+        """One sync's per-tensor consensus metrics, in consensus.jsonl (kept out of metrics.jsonl)."""
+        if self.enabled and self._detail is None:
+            self._detail = self._open_jsonl("consensus")
+        if self._detail is not None:
+            self._detail.write(json.dumps(record) + "\n")
 
     def write_config(self, config_json: str) -> None:
         if self.enabled:
@@ -57,6 +70,7 @@ class RunFiles:
             atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        for handle in (self._metrics, self._detail):
+            if handle is not None:
+                handle.close()
+        self._metrics = self._detail = None

@@ -211,6 +211,11 @@ class Trainer:
             record.update(param_variance=sync.variance, param_rms=sync.param_rms)
             if sync.sick_groups:
                 record["sick_groups"] = list(sync.sick_groups)
+            if sync.consensus is not None:
+                c = sync.consensus
+                record.update(graph=sync.graph, consensus_distance=c.distance, consensus_relative=c.relative,
+                              group_norms=c.group_norms, group_bytes=c.group_bytes)
+                self.files.log_detail({"step": done, "graph": sync.graph, "tensors": c.tensors})
         self.records.log(record)
         say(progress_line(record, self.cfg.training.train_iters, eta), self.is_writer)
         return stats[0]
