@@ -35,9 +35,13 @@ LAYOUTS = {
     "FL+FSDP nesterov int8+EF": (4, ["--fl-group-size", "2", "--fl-outer-optimizer", "nesterov",
                                      "--fl-sync-dtype", "int8", "--fl-error-feedback"]),
 }
+# decentralised averaging over 8 groups of one rank (tools/bench_gossip.py): every one measures DBench metrics
+GOSSIP = ("complete", "ring", "exponential", "one-peer-exponential", "ada")
+LAYOUTS.update({f"G8 {t}": (8, ["--fl-group-size", "1", "--fl-topology", t, "--fl-dbench-metrics"]) for t in GOSSIP})
 # what summary.json must report for each: (federation groups, replicas per group)
 EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2),
-            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1)}
+            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1),
+            **{f"G8 {t}": (8, 1) for t in GOSSIP}}
 PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP"),
          "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "int4": ("FL+FSDP", "FL+FSDP int4+EF"),
          "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF")}
@@ -86,18 +90,23 @@ def markdown(results: list[dict], table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_runs_args(parser: argparse.ArgumentParser, argv, default_out: str) -> tuple:
+    """Add the options every seeds benchmark shares, parse; returns (args, extra flags, out dir)."""
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["fsdp", "hsdp"])
-    parser.add_argument("--out", default="runs/quality")
+    parser.add_argument("--out", default=default_out)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --out instead of rerunning them")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="-- then flags passed to every run")
     args = parser.parse_args(argv)
-    extra = [a for a in args.extra if a != "--"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    return args, [a for a in args.extra if a != "--"], out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["fsdp", "hsdp"])
+    args, extra, out = parse_runs_args(parser, argv, "runs/quality")
     results = []
     names = list(dict.fromkeys(name for pair in args.pairs for name in PAIRS[pair]))  # each layout once
     for name in names:

@@ -4,8 +4,10 @@
     python tools/plot_runs.py runs/fsdp runs/fl-h8 [--label FSDP "FL H=8"] [--out plots]
 
 Writes, one line per run: loss_vs_tokens.png, loss_vs_time.png (wall clock: elapsed_s),
-eval_loss_vs_tokens.png (when a run evaluated) and bytes_per_tier.png (rank 0's cumulative
-intra-node and inter-node payload bytes against step). Needs pip install -e ".[plots]".
+eval_loss_vs_tokens.png (when a run evaluated), bytes_per_tier.png (rank 0's cumulative
+intra-node and inter-node payload bytes against step) and, for runs with DBench metrics
+(--fl-topology other than complete, or --fl-dbench-metrics), consensus.png (consensus distance
+and the bytes the groups sent, against step; Ada's graphs marked). Needs pip install -e ".[plots]".
 """
 
 import argparse
@@ -138,10 +140,41 @@ def bytes_per_tier(runs: Sequence[Run]):
     return fig
 
 
+def consensus(runs: Sequence[Run]):
+    """Two panels: the relative consensus distance measured before each sync (marker: the graph
+    that sync used) and the cumulative MiB the groups sent to each other; None without metrics."""
+    measured = [run for run in runs if any("consensus_relative" in r for r in run.steps)]
+    if not measured:
+        return None
+    fig, (left, right) = _figure("Consensus across federation groups (DBench)", "step", "", ncols=2)
+    left.set_ylabel("relative consensus distance (before the sync)")
+    left.set_yscale("log")
+    right.set_ylabel("MiB sent between groups (all groups, cumulative)")
+    markers = {"complete": "o", "ring": "s", "torus": "D", "exponential": "^", "one-peer-exponential": "v",
+               "none": "x"}
+    for run in measured:
+        syncs = [r for r in run.steps if "consensus_relative" in r]
+        line, = left.plot([r["step"] for r in syncs], [max(r["consensus_relative"], 1e-30) for r in syncs],
+                          label=run.label, alpha=0.6)
+        for graph in sorted({r["graph"] for r in syncs}):
+            picked = [r for r in syncs if r["graph"] == graph]
+            left.scatter([r["step"] for r in picked], [max(r["consensus_relative"], 1e-30) for r in picked],
+                         marker=markers.get(graph, "."), color=line.get_color(), label=f"{run.label}: {graph}")
+        total, cumulative = 0.0, []
+        for r in syncs:
+            total += sum(r["group_bytes"]) / MIB
+            cumulative.append(total)
+        right.plot([r["step"] for r in syncs], cumulative, label=run.label)
+    left.legend(fontsize="small")
+    right.legend()
+    return fig
+
+
 def plot_runs(runs: Sequence[Run]) -> dict:
     """{file name: Figure} for every plot that has data."""
     figures = {"loss_vs_tokens.png": loss_vs_tokens(runs), "loss_vs_time.png": loss_vs_time(runs),
-               "eval_loss_vs_tokens.png": eval_loss_vs_tokens(runs), "bytes_per_tier.png": bytes_per_tier(runs)}
+               "eval_loss_vs_tokens.png": eval_loss_vs_tokens(runs), "bytes_per_tier.png": bytes_per_tier(runs),
+               "consensus.png": consensus(runs)}
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 
