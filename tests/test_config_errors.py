@@ -80,7 +80,9 @@ def test_bad_types_on_the_command_line(launched, capsys):
 
 @pytest.mark.parametrize("content,needles", [
     ({"federation": {"group_size": 2, "sync_every": 4}}, ["sync_every", "valid keys", "sync_interval"]),
-    ({"federaton": {}}, ["federaton", "valid sections"]),
+    ({"federaton": {}}, ["unknown section 'federaton' (did you mean 'federation'?)", "valid sections"]),
+    ({"training": {"learning_rate": 0.1}}, ["training: unknown key 'learning_rate'", "valid keys are"]),
+    ({"training": {"train_iter": 10}}, ["unknown key 'train_iter' (did you mean 'train_iters'?)"]),
     ({"training": {"lr": "fast"}}, ["training.lr", "expected float", "fast"]),
     ({"training": {"train_iters": 2.5}}, ["training.train_iters", "expected int"]),
     ({"model": {"preset": "nope"}}, ["nope"]),
@@ -123,7 +125,11 @@ def _ds_json(tmp_path, **overrides) -> str:
     ({"zero_optimization": {"stage": 2}}, [], ["zero_optimization.stage is 2", "ZeRO stage 3"]),
     ({"fp16": {"enabled": True}}, [], ["fp16 and bf16 are both enabled"]),
     ({"federation": {"group_size": 4, "sync_intervall": 4}}, [],
-     ["unknown key(s) sync_intervall in the federation block", "valid keys are", "sync_interval"]),
+     ["federation block: unknown key 'sync_intervall' (did you mean 'sync_interval'?)", "valid keys are"]),
+    ({"zero_optimisation": {"stage": 3}}, [],  # DeepSpeed itself would ignore it and run without ZeRO
+     ["unknown top-level key 'zero_optimisation' (did you mean 'zero_optimization'?)"]),
+    ({"gradient_clippin": 1.0, "wandbb": {}}, [],
+     ["unknown top-level keys 'gradient_clippin' (did you mean 'gradient_clipping'?), 'wandbb' (did you mean 'wandb'?)"]),
     ({"federation": {"group_size": 3}}, [], ["group_size=3", "world_size=8", "valid group sizes"]),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}, [], ["mics_shard_size", "hsdp_shard_size"]),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}, [], ["zero_hpz_partition_size=3"]),

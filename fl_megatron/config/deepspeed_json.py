@@ -12,7 +12,25 @@ import json
 from typing import Optional
 
 from .json_file import read_json_object
+from .keys import unknown_keys_problem
 from .parallel import FederationConfig
+
+# The top-level keys DeepSpeed's config reads, recorded from DeepSpeedConfig (tests/test_config_keys.py
+# records them again from the installed DeepSpeed and compares).
+DEEPSPEED_VERSION = "0.19.8"
+DEEPSPEED_KEYS = frozenset((
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
+    "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
+    "memory_breakdown", "nebula", "optimizer", "pipeline", "prescale_gradients", "progressive_layer_drop",
+    "quantize_training", "scheduler", "seq_parallel_communication_data_type", "sparse_attention",
+    "sparse_gradients", "steps_per_print", "tensor_parallel", "tensorboard", "timers", "torch_autocast",
+    "train_batch_size", "train_micro_batch_size_per_gpu", "use_data_before_expert_parallelism",
+    "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "zero_optimization"))
 
 # DeepSpeed key -> training field it sets.
 _BATCH_KEYS = {"train_micro_batch_size_per_gpu": "micro_batch_size",
@@ -61,11 +79,15 @@ def split_deepspeed_json(ds: dict, where: str) -> tuple[dict, dict, dict]:
     federation = ds.pop("federation", None) or {}
     if not isinstance(federation, dict):
         raise ValueError(f"{where}: 'federation' must be an object")
-    valid = sorted(f.name for f in dataclasses.fields(FederationConfig))
-    unknown = sorted(set(federation) - set(valid))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} in the federation block; "
-                         f"valid keys are {', '.join(valid)}")
+    problem = unknown_keys_problem(federation, [f.name for f in dataclasses.fields(FederationConfig)],
+                                   f"{where}, federation block")
+    if problem:
+        raise ValueError(problem)
+    # DeepSpeed ignores top-level keys it does not read: a misspelt one would silently do nothing
+    problem = unknown_keys_problem(ds, DEEPSPEED_KEYS, where, "top-level key", list_valid=False)
+    if problem:
+        raise ValueError(problem + f" (DeepSpeed {DEEPSPEED_VERSION} reads {len(DEEPSPEED_KEYS)} top-level keys; "
+                         "'federation' holds the --fl-* settings)")
 
     training: dict = {}
     for key, name in _BATCH_KEYS.items():

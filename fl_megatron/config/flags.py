@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 from .deepspeed_json import check_against_flags, load_deepspeed_json, split_deepspeed_json
 from .json_file import read_json_object
+from .keys import unknown_keys_problem
 from .run import SECTIONS, RunConfig
 
 # Flags whose names differ from "--" + field name with dashes.
@@ -86,9 +87,9 @@ def _apply(target, values: dict, where: str) -> None:
     """Set dataclass fields from a dict, rejecting unknown keys and wrong types."""
     cls = type(target)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys are {', '.join(sorted(fields))}")
+    problem = unknown_keys_problem(values, fields, where)
+    if problem:
+        raise ValueError(problem)
     for key, value in values.items():
         ftype = _field_type(cls, fields[key])
         if ftype is list and isinstance(value, str):
@@ -107,10 +108,9 @@ def _apply(target, values: dict, where: str) -> None:
 def load_json(path: str) -> dict:
     """Read a JSON config file; errors name the file and position."""
     data = read_json_object(path, "config file", f"an object with sections {', '.join(SECTIONS)}")
-    unknown = sorted(set(data) - set(SECTIONS) - {"deepspeed"})
-    if unknown:
-        raise ValueError(f"config file {path}: unknown section(s) {', '.join(unknown)}; "
-                         f"valid sections are {', '.join(SECTIONS)} and deepspeed (an inline DeepSpeed config)")
+    problem = unknown_keys_problem(data, [*SECTIONS, "deepspeed"], f"config file {path}", "section")
+    if problem:
+        raise ValueError(problem + " (deepspeed: an inline DeepSpeed config)")
     return data
 
 
