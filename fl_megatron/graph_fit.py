@@ -32,7 +32,7 @@ def topology_problem(name: str, groups: int) -> Optional[str]:
     return None
 
 
-def out_degree(name: str, groups: int, round_index: int = 0) -> int:
+def out_degree(name: str, groups: int) -> int:
     """Other groups that receive a group's shard in one round of a gossip graph (not complete)."""
     if groups < 2 or name == "none":
         return 0
@@ -47,9 +47,9 @@ def out_degree(name: str, groups: int, round_index: int = 0) -> int:
     raise ValueError(f"{name!r} is not a gossip graph")
 
 
-def wire_shards_per_sync(name: str, groups: int, round_index: int = 0) -> float:
+def wire_shards_per_sync(name: str, groups: int) -> float:
     """Shard-sized payloads one rank sends to other groups at one sync: the ring all-reduce's
     2(G-1)/G for complete, the out-degree for a gossip graph, 0 for none."""
     if name == "complete":
         return 2 * (groups - 1) / groups if groups > 1 else 0.0
-    return float(out_degree(name, groups, round_index))
+    return float(out_degree(name, groups))

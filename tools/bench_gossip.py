@@ -23,22 +23,15 @@ sys.path.insert(0, str(TOOLS))
 from bench_quality import GOSSIP, parse_runs_args, run_one, stats  # noqa: E402
 
 
-def group_bytes(run_dir: str) -> float:
-    """Bytes one group sent to the others over the run, averaged over groups."""
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    per_group = [sum(r["group_bytes"][g] for r in records if "group_bytes" in r)
-                 for g in range(len(next(r["group_bytes"] for r in records if "group_bytes" in r)))]
-    return statistics.fmean(per_group)
-
-
-def graphs_used(run_dir: str) -> dict:
-    """How many syncs used each graph."""
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    out: dict = {}
-    for r in records:
-        if "graph" in r:
-            out[r["graph"]] = out.get(r["graph"], 0) + 1
-    return out
+def sync_summary(run_dir: str) -> tuple[float, dict]:
+    """(bytes one group sent to the others over the run, averaged over groups; how many syncs
+    used each graph), from the run's sync records."""
+    syncs = [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if "graph" in r]
+    per_group = [sum(b) for b in zip(*(r["group_bytes"] for r in syncs))]
+    graphs: dict = {}
+    for r in syncs:
+        graphs[r["graph"]] = graphs.get(r["graph"], 0) + 1
+    return statistics.fmean(per_group), graphs
 
 
 def table(results: list[dict]) -> str:
@@ -89,7 +82,8 @@ def main(argv=None) -> int:
     for topology in args.topologies:
         for seed in args.seeds:
             run = run_one(f"G8 {topology}", seed, out, extra, args.timeout, args.reuse)
-            run.update(topology=topology, bytes=group_bytes(run["run_dir"]), graphs=graphs_used(run["run_dir"]))
+            sent, graphs = sync_summary(run["run_dir"])
+            run.update(topology=topology, bytes=sent, graphs=graphs)
             results.append(run)
     text = table(results)
     print(text)

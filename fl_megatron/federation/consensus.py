@@ -59,16 +59,16 @@ def measure(views: list, peer_group, num_groups: int, group: int, counts: bool,
     dist.all_reduce(mean, group=peer_group)
     mean.div_(num_groups)
     t = len(views)
-    # per tensor: squared deviations of the sample, sample size, exact squared norm, element count
-    table = torch.zeros(4 + num_groups, t, dtype=torch.float64)
-    offset = 0
-    for i, (f, piece) in enumerate(zip(flats, pieces)):
-        if counts:
-            dev = piece - mean.narrow(0, offset, piece.numel())
-            sq = float(torch.linalg.vector_norm(f, dtype=torch.float64)) ** 2 if f.numel() else 0.0
-            table[0, i], table[1, i], table[2, i], table[3, i] = float(dev.pow(2).sum()), piece.numel(), sq, f.numel()
-            table[4 + group, i] = sq
-        offset += piece.numel()
+    # per tensor: squared deviations of the sample, sample size, exact squared norm, element count,
+    # summed on the shards' device (one transfer at the all-reduce, not one per tensor)
+    table = torch.zeros(4 + num_groups, t, dtype=torch.float64, device=sample.device)
+    if counts and t:
+        sizes = [p.numel() for p in pieces]
+        table[0] = torch.stack([d.pow(2).sum() for d in (sample - mean).split(sizes)])
+        table[1] = torch.tensor(sizes, dtype=torch.float64, device=sample.device)
+        table[2] = torch.stack([torch.linalg.vector_norm(f, dtype=torch.float64) for f in flats]).pow(2)
+        table[3] = torch.tensor([f.numel() for f in flats], dtype=torch.float64, device=sample.device)
+        table[4 + group] = table[2]
     sample_bytes = sample.numel() * sample.element_size()  # fp64: deviations are tiny next to the values
 
     totals = table.to(device_type)

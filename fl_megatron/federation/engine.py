@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 from ..config.parallel import FederationConfig
+from ..graph_fit import wire_shards_per_sync
 from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
 from .consensus import Consensus, measure
 from .contract import ShardOwner
-from ..graph_fit import wire_shards_per_sync
 from .graphs import gossip_round
 from .groups import ProcessGroups
 from .health import AllGroupsSick, sick_groups
@@ -168,7 +168,7 @@ class FederationEngine:
                               variance, rms, sick, choice.graph)
         groups = self.groups.layout.num_groups
         ring = wire_shards_per_sync("complete", groups)
-        self.ledger.add("inter-group", self.groups.tier("peer"), consensus.sample_bytes)
+        self.ledger.add("inter-group", self.averager.peer_tier, consensus.sample_bytes)
         wire = stats.inter_group_bytes * (ring if choice.graph == "complete" else 1.0) + consensus.sample_bytes * ring
         per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.mesh.device_type)
         per_group[self.groups.coords[0]] = wire

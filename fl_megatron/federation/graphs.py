@@ -51,9 +51,10 @@ def mixing_matrix(name: str, groups: int, round_index: int = 0) -> torch.Tensor:
     if name == "complete":
         return w.fill_(1.0 / groups)
     if name in ("ring", "torus"):
+        neighbours = [_neighbours(name, groups, g) for g in range(groups)]
         for g in range(groups):
-            for h in _neighbours(name, groups, g):
-                w[g, h] = 1.0 / (1 + max(len(_neighbours(name, groups, g)), len(_neighbours(name, groups, h))))
+            for h in neighbours[g]:
+                w[g, h] = 1.0 / (1 + max(len(neighbours[g]), len(neighbours[h])))
             w[g, g] = 1.0 - w[g].sum()
         return w
     hops = _hops(groups)
