@@ -22,6 +22,7 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, flat_elements, wrap_blocks_for_recompute
+from .pickle_guard import check_deepspeed_dir
 from .optimizer import build_optimizer, parameter_groups, set_learning_rate, state_tensors
 
 CHECKPOINT_TAG = "zero3"  # DeepSpeed's sub-directory inside a group's checkpoint directory
@@ -316,7 +317,9 @@ class DeepSpeedBackend:
 
     def load_state(self, directory: Path, load_optimizer: bool) -> None:
         """Restore the group's partitions (and moments and DeepSpeed's scheduler) from `save_state`,
-        then re-derive working partitions and persistent parameters."""
+        then re-derive working partitions and persistent parameters. Every file is opened with
+        an allowlisting unpickler first: DeepSpeed's own reads would run code a pickle names."""
+        check_deepspeed_dir(directory / CHECKPOINT_TAG)
         path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=load_optimizer,
                                               load_lr_scheduler_states=load_optimizer, load_module_strict=True)
         if path is None:

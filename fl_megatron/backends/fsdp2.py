@@ -14,6 +14,7 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, wrap_blocks_for_recompute
+from .pickle_guard import GuardedPlanner, GuardedReader
 from .optimizer import build_optimizer, set_learning_rate, state_tensors
 
 
@@ -207,7 +208,8 @@ class FSDP2Backend:
             state = {"model": model_state, "optim": optim_state}
         else:
             state = {"model": get_model_state_dict(self.model)}
-        dcp.load(state, checkpoint_id=str(directory), process_group=self.groups.federation)
+        dcp.load(state, storage_reader=GuardedReader(str(directory)), planner=GuardedPlanner(),
+                 process_group=self.groups.federation)
         if load_optimizer:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..config.model import ModelConfig
+from ..backends.pickle_guard import GuardedPlanner, GuardedReader, check_deepspeed_dir
 from ..models import build_model
 from ..models.init import canonical_name
 from .metadata import find_checkpoint
@@ -58,7 +59,8 @@ class CheckpointReader:
         target = torch.empty(self._shapes[name], dtype=torch.float32)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": {name: target}}, checkpoint_id=str(directory), no_dist=True)
+            dcp.load({"model": {name: target}}, storage_reader=GuardedReader(str(directory)),
+                     planner=GuardedPlanner(), no_dist=True)
         return target
 
     def _deepspeed_state(self, group: int) -> dict:
@@ -68,6 +70,7 @@ class CheckpointReader:
 
             from ..backends.deepspeed_zero3 import CHECKPOINT_TAG
 
+            check_deepspeed_dir(group_dir(self.path, group) / CHECKPOINT_TAG)
             quiet = io.StringIO()
             with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # per-file progress
                 state = get_fp32_state_dict_from_zero_checkpoint(str(group_dir(self.path, group)),

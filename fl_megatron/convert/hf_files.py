@@ -9,14 +9,16 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..config.model import ModelConfig
+from ..file_modes import save_safetensors
 from .hf_config import model_config_from_hf
 from .hf_keys import hf_tensor_specs
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Pickled weights run code when loaded; we never read them (see _pickled_only).
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 # Some checkpoints (the original gpt2 one) store the base model's keys without this prefix.
 _BASE_PREFIXES = ("transformer.", "model.")
 
@@ -53,13 +55,26 @@ class SafetensorsDir:
             if not isinstance(weight_map, dict):
                 raise ValueError(f"index file {self.path / INDEX_FILE} has no 'weight_map' object")
             for file in sorted(set(weight_map.values())):
+                if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                    raise ValueError(f"index file {self.path / INDEX_FILE} names shard {file!r}: shards must be "
+                                     "plain file names inside the directory")
                 if not (self.path / file).is_file():
                     raise ValueError(f"shard {file} named in {self.path / INDEX_FILE} does not exist")
             return dict(weight_map)
         if (self.path / SINGLE_FILE).is_file():
             with safe_open(self.path / SINGLE_FILE, framework="pt") as f:
                 return {name: SINGLE_FILE for name in f.keys()}
-        raise ValueError(f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        raise ValueError(self._pickled_only() or f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+    def _pickled_only(self) -> str:
+        """The refusal for a directory that only has pickled weights ('' if it has none)."""
+        pickled = [name for name in PICKLED_WEIGHTS if (self.path / name).exists()]
+        if not pickled:
+            return ""
+        return (f"{self.path} holds only pickled PyTorch weights ({', '.join(pickled)}), which can run arbitrary "
+                f"code when loaded; fl-megatron reads safetensors only. Convert them where you trust the file, "
+                f"e.g. `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)` "
+                f"with transformers, which writes {SINGLE_FILE}")
 
     @property
     def names(self) -> list[str]:
@@ -179,7 +194,7 @@ def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_sh
     def flush() -> None:
         nonlocal buffer, buffered
         shards.append(list(buffer))
-        save_file(buffer, tmp / f"shard-{len(shards)}.partial", metadata={"format": "pt"})
+        save_safetensors(buffer, tmp / f"shard-{len(shards)}.partial", metadata={"format": "pt"})
         buffer, buffered = {}, 0
 
     for name, tensor in tensors:
