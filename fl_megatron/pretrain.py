@@ -1,6 +1,7 @@
 """Command line: `torchrun --nproc-per-node N -m fl_megatron.pretrain [flags]`.
 
-`--dry-run` validates and plans in one process, for any --world-size, without starting anything.
+`--dry-run` validates and plans in one process, for any --world-size, without starting anything
+(it opens the data files and the checkpoint to load, as the run would).
 Everything a user can get wrong (flags, data files, checkpoints, Hugging Face directories) is
 checked here, on every rank, before any process group exists.
 """
@@ -43,38 +44,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not planning and rpn is not None and env.local_world_from_launcher and rpn != env.local_world_size:
         return _fail(f"--ranks-per-node {rpn} does not match the {env.local_world_size} processes per node the "
                      "launcher started; drop the flag or launch that many per node")
-    if dry_run:
-        from .training.dry_run import dry_run_report
-        print(dry_run_report(run))
-        return 0
     from .backends import check_backend_package
     from .training.dashboards import check_dashboard_packages
     try:
-        check_backend_package(cfg.parallel.backend)
-        check_dashboard_packages(cfg.training)
+        if not dry_run:
+            check_backend_package(cfg.parallel.backend)
+            check_dashboard_packages(cfg.training)
         _check_sources(run)
         samples = _open_data(run)
     except (ValueError, OSError) as e:
         return _fail(str(e))
+    try:  # what this rank will unpickle (the dry run: every group's): ranks may differ, all report
+        _check_checkpoint_files(run, None if dry_run else env.rank)
+    except (ValueError, OSError) as e:
+        return _fail(str(e), every_rank=True)
+    if dry_run:
+        from .training.dry_run import dry_run_report
+        print(dry_run_report(run))
+        return 0
     from .training.trainer import Trainer
     import torch.distributed as dist
 
     from .federation.health import AllGroupsSick
+    from .training.failures import PEER_LOST_EXIT_CODE, PeerLost
+    from .checkpoint import CheckpointWriteError
+    from .training.run_data import DataError
 
-    trainer = Trainer(run, env, samples)
+    trainer, abandoned = Trainer(run, env, samples), False
     try:
-        trainer.train()
-        # Leave together: a rank tearing down gloo while a peer is still in its last
-        # collectives can abort the peer at exit.
-        dist.barrier()
+        trainer.train()  # ends with a barrier: every rank leaves together
     except AllGroupsSick as e:  # every rank decided it together: no rank is left waiting
         if env.rank == 0:
             print(f"fl_megatron.pretrain: error: {e}", file=sys.stderr, flush=True)
         return 3
+    except (DataError, CheckpointWriteError) as e:  # if only this rank finds it, the others see it go (PeerLost)
+        print(f"fl_megatron.pretrain: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+        abandoned = True
+        return 2
+    except PeerLost as e:  # leave now: the process group cannot be closed cleanly any more
+        print(f"fl_megatron.pretrain: error: {e}", file=sys.stderr, flush=True)
+        abandoned = True
+        return PEER_LOST_EXIT_CODE
     finally:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if abandoned:
+            trainer.abandon()
+        else:
+            trainer.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 
@@ -92,6 +109,25 @@ def _check_sources(run) -> None:
         from .convert.hf_init import check_hf_source
 
         check_hf_source(options.init_from_hf, run.cfg.model)
+
+
+def _check_checkpoint_files(run, rank: Optional[int]) -> None:
+    """The pickles `rank` (None: every rank) would read from the checkpoint --load resumes from
+    open under the allowlisting unpickler (see backends.pickle_guard)."""
+    from pathlib import Path
+
+    from .backends.pickle_guard import check_group_pickles
+    from .checkpoint import find_checkpoint, source_groups, will_resume
+    from .checkpoint.paths import group_dir
+    from .topology import coords
+
+    if not will_resume(run):
+        return
+    path, meta = find_checkpoint(Path(run.cfg.checkpoint.load))
+    sources, _ = source_groups(meta, run)
+    groups = range(run.layout.num_groups) if rank is None else [coords(run.layout, rank)[0]]
+    for group in sorted({sources[g] for g in groups}):
+        check_group_pickles(meta["backend"], group_dir(path, group))
 
 
 def _open_data(run):
@@ -112,12 +148,13 @@ def _local_rank() -> int:
     return 0
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, every_rank: bool = False) -> int:
     """Report a configuration error and exit 2. Every rank finds the same error; local rank 0
     of each node prints it (once per node) and exits at once. The other ranks give it a head
     start before exiting, since a launcher (torchrun, the deepspeed launcher) kills the rest
-    of the job as soon as one process fails: the reporter must not be the one killed."""
-    if _local_rank() == 0:
+    of the job as soon as one process fails: the reporter must not be the one killed.
+    `every_rank`: an error only some ranks find; each of them prints it."""
+    if every_rank or _local_rank() == 0:
         print(f"fl_megatron.pretrain: error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(REPORTER_HEAD_START_S)

@@ -53,3 +53,57 @@ def run_pretrain(nproc: int, run_dir: Path, cache: Path, *flags: str, launcher: 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (run_dir / "summary.json").exists() and (run_dir / "config.json").exists()
     return step_records(run_dir)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP): state T in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def spawn_ranks(nproc: int, run_dir: Path, cache: Path, *flags: str, env_extra: dict | None = None,
+                timeout: float = 300) -> list[dict]:
+    """Start one process per rank with no launcher (as srun would: RANK, WORLD_SIZE, ...), so that
+    nothing but the ranks themselves notices a dead rank. Returns per rank: returncode, stderr,
+    and `exited`, seconds from the start until the process was seen to exit (polled every 0.1 s)."""
+    import time
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    argv = [sys.executable, "-m", "fl_megatron.pretrain", *TINY, "--run-dir", str(run_dir), *flags]
+    procs, logs = [], []
+    start = time.monotonic()
+    for rank in range(nproc):
+        env = dict(os.environ, OMP_NUM_THREADS="1", FL_MEGATRON_CACHE=str(cache), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), **(env_extra or {}))
+        log = open(run_dir / f"rank{rank}.stderr", "w+")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log))
+        logs.append(log)
+    exited: dict[int, float] = {}
+    try:
+        while len(exited) < nproc:
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"ranks {sorted(set(range(nproc)) - set(exited))} still run after {timeout} s")
+            for rank, p in enumerate(procs):
+                if rank not in exited and p.poll() is not None:
+                    exited[rank] = time.monotonic() - start
+            left = [p for rank, p in enumerate(procs) if rank not in exited]
+            if exited and left and all(_stopped(p.pid) for p in left):  # a hang the test injected
+                for p in left:
+                    p.kill()
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        results.append({"rank": rank, "returncode": p.returncode, "stderr": log.read(), "exited": exited.get(rank)})
+        log.close()
+    return results

@@ -5,12 +5,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config.resolved import ResolvedRun
 from ..faults import fault_point
+from ..file_modes import save_safetensors
 from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
+from ..federation.failed_collective import is_failed_collective
 from .metadata import build_metadata, find_checkpoint, manifest, source_groups
 from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_file, prune, publish, read_tracker,
                     rng_file, staging_dir, write_text_durably)
@@ -29,6 +32,25 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only, no permission); the previous one
+    stays the published one."""
+
+
+def _write_failure(err: BaseException, root: Path, iteration: int) -> CheckpointWriteError | None:
+    """`err` (raised while writing, perhaps wrapped by DCP or DeepSpeed) as a CheckpointWriteError,
+    or None when it is a failed collective, which stays what it is (see training.failures)."""
+    if is_failed_collective(err):
+        return None
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(err).__name__
+    tracker = read_tracker(root) if root.is_dir() else None
+    kept = f"the checkpoint of iteration {tracker} is untouched and stays the latest" if tracker else \
+        "no earlier checkpoint exists there"
+    return CheckpointWriteError(f"could not write the checkpoint of iteration {iteration} under {root} "
+                                f"({text[-300:]}); {kept}")
+
+
 class Checkpointer:
     """Writes checkpoints of one run under `--save` and restores one from `--load`."""
 
@@ -44,6 +66,15 @@ class Checkpointer:
         """Save the state after optimizer step `iteration`. Compact mode syncs first (unless the
         step just did): the groups are then identical and one copy is stored."""
         root = Path(self.options.save)
+        try:
+            return self._save(root, iteration)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            failure = _write_failure(e, root, iteration)
+            if failure is None:
+                raise
+            raise failure from e
+
+    def _save(self, root: Path, iteration: int) -> Path:
         if self.engine.flight is not None:  # a sync in flight (--fl-overlap-steps) lands first
             self.engine.land()
         compact = self.options.ckpt_mode == "compact"
@@ -61,12 +92,12 @@ class Checkpointer:
         self.backend.save_state(group_dir(staging, source), write=self.group in saved_groups and self._writes_group())
         rng = rng_file(staging, self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
-        save_file(_rng_state(), str(rng))
+        save_safetensors(_rng_state(), rng)
         outer = self.engine.state_tensors()
         if outer:
             path = outer_file(staging, self.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().cpu().contiguous() for k, v in outer.items()}, str(path))
+            save_safetensors({k: v.detach().cpu().contiguous() for k, v in outer.items()}, path)
         fault_point("checkpoint-write", iteration)
         dist.barrier()
         if self.is_writer:

@@ -36,6 +36,11 @@ def _field_type(cls, f: dataclasses.Field):
     return args[0] if args else hint
 
 
+def _optional(cls, f: dataclasses.Field) -> bool:
+    """Whether a field may be None (Optional[...] or a None default)."""
+    return type(None) in typing.get_args(typing.get_type_hints(cls)[f.name]) or f.default is None
+
+
 class _Parser(argparse.ArgumentParser):
     """Raises ValueError instead of printing and exiting, so that the entry point reports the
     error once per node like every other configuration error."""
@@ -56,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", metavar="PRESET", help="model preset, e.g. llama-tiny, llama3.1-8b, gpt2-small "
                                                          "(shape flags override it)")
     run.add_argument("--dry-run", action="store_true",
-                     help="validate, print the layout, parameter count, memory and communication estimates, exit")
+                     help="validate (flags, data files, the checkpoint to load), print the layout, parameter count, "
+                          "memory and communication estimates, exit")
     run.add_argument("--deepspeed", dest="parallel.backend", action="store_const", const="deepspeed",
                      help="use the DeepSpeed ZeRO-3 backend (same as --backend deepspeed)")
     run.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, metavar="N",
@@ -94,6 +100,8 @@ def _apply(target, values: dict, where: str) -> None:
         ftype = _field_type(cls, fields[key])
         if ftype is list and isinstance(value, str):
             value = value.split()  # "0.3 /a 0.7 /b" in a JSON file
+        if value is None and not _optional(cls, fields[key]):
+            raise ValueError(f"{where}.{key}: expected {getattr(ftype, '__name__', ftype)}, got null")
         if value is not None:
             ok = isinstance(value, ftype) if ftype is not float else isinstance(value, (int, float))
             if isinstance(value, bool) and ftype is not bool:

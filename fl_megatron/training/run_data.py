@@ -31,13 +31,18 @@ def open_run_data(run: ResolvedRun, world_size: int, prepares: bool, samples=Non
     return BatchSource(train, None, world_size, t.micro_batch_size, run.accumulation), valid
 
 
+class DataError(ValueError):
+    """Training data that cannot be used, found while training (the dry run cannot read every token)."""
+
+
 def next_token_loss(backend, batch: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
     """Cross entropy of predicting each next token of one micro-batch; token ids outside the
     vocabulary are an error naming them."""
     low, high = torch.aminmax(batch)
     if int(high) >= vocab_size or int(low) < 0:
-        raise ValueError(f"the data holds token id {int(high)} but the model's vocab_size is "
-                         f"{vocab_size}: the data was tokenised with a larger vocabulary")
+        bad = int(high) if int(high) >= vocab_size else int(low)
+        raise DataError(f"the data holds token id {bad} but the model's vocab_size is {vocab_size}: the data "
+                        "was tokenised with another vocabulary, or its .bin file is damaged")
     batch = batch.to(device, non_blocking=True)
     logits = backend.forward(batch[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

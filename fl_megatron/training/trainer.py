@@ -17,6 +17,7 @@ from ..faults import nan_requested
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
+from .failures import PhaseTracker
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -43,6 +44,7 @@ class Trainer:
         t = cfg.training
         self.accum = run.accumulation
         init_distributed(env, cfg.parallel.distributed_timeout_minutes)
+        self.phases = PhaseTracker(env.rank, env.world_size, t.run_dir)
         self.device = env.device
         self.files = RunFiles(t.run_dir, self.is_writer)
         self.files.write_config(config_to_json(cfg))
@@ -94,11 +96,13 @@ class Trainer:
         """Forward/backward over the micro-batches, clip, optimizer step.
 
         Returns (loss, grad norm, learning rate used)."""
+        self.phases.enter("forward-backward", step + 1)
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             loss = self._loss(self.train_source.micro_batch(self.env.rank, step, micro))
             self.backend.backward(loss, self.accum, last=micro == self.accum - 1)
             total += loss.detach()
+        self.phases.enter("optimizer-step", step + 1)
         norm, lr = self.backend.optimizer_step(lr)
         return total / self.accum, norm, lr
 
@@ -112,6 +116,7 @@ class Trainer:
         if nan_requested(self.groups.coords[0], done):  # a sick group, for tests (FL_MEGATRON_FAULT)
             with torch.no_grad():
                 self.backend.local_shards()[0].view(-1)[0] = math.nan
+        self.phases.enter("sync", done)
         sync = self.engine.after_step(done, last=done == self.cfg.training.train_iters, loss=loss)
         if sync is not None and sync.sick_groups:
             say(f"  step {done}: federation group(s) {', '.join(map(str, sync.sick_groups))} left out of the "
@@ -159,42 +164,58 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------
     def train(self) -> dict:
         """Train from `start_step` (0, or the resumed checkpoint's step) to --train-iters, or until
-        a stop condition; save on --save-interval, at the end and before stopping early."""
-        t, options = self.cfg.training, self.cfg.checkpoint
+        a stop condition; save on --save-interval, at the end and before stopping early. A failed
+        collective (a peer died or hung) becomes a PeerLost naming this rank's phase."""
         stop = StopPolicy(self.cfg.checkpoint, self.device)
+        try:
+            return self._train(stop)
+        except RuntimeError as e:
+            lost = self.phases.explain(e)
+            if lost is None:
+                raise
+            raise lost from e
+        finally:
+            stop.close()
+
+    def _train(self, stop: StopPolicy) -> dict:
+        t, options = self.cfg.training, self.cfg.checkpoint
         start = self._started = time.perf_counter()
         interval_start, interval_steps = start, 0
         last_loss, stopped, done = math.nan, None, self.start_step
         evals: list[dict] = []
-        try:
-            for step in range(self.start_step, t.train_iters):
-                done = step + 1
-                loss, norm, lr, sync = self.step(step)
-                interval_steps += 1
-                stopped = stop.reason(done) if done < t.train_iters else None
-                if done % t.log_interval == 0 or done == t.train_iters or sync is not None or stopped:
-                    now = time.perf_counter()
-                    eta = (now - start) / (done - self.start_step) * (t.train_iters - done)
-                    last_loss = self._log_step(done, loss, norm, lr, sync, now - interval_start, interval_steps, eta)
-                    interval_start, interval_steps = now, 0
-                if options.saving and (done == t.train_iters or stopped or
-                                       (options.save_interval and done % options.save_interval == 0)):
-                    path = self.checkpointer.save(done)
-                    say(f"  saved checkpoint {path}", self.is_writer)
-                if stopped:
-                    say(f"  stopping after step {done} ({stopped})", self.is_writer)
-                    break
-                if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
-                    evals.append(self._eval_record(done))
-        finally:
-            stop.close()
+        for step in range(self.start_step, t.train_iters):
+            done = step + 1
+            loss, norm, lr, sync = self.step(step)
+            interval_steps += 1
+            stopped = stop.reason(done) if done < t.train_iters else None
+            if done % t.log_interval == 0 or done == t.train_iters or sync is not None or stopped:
+                now = time.perf_counter()
+                eta = (now - start) / (done - self.start_step) * (t.train_iters - done)
+                last_loss = self._log_step(done, loss, norm, lr, sync, now - interval_start, interval_steps, eta)
+                interval_start, interval_steps = now, 0
+            if options.saving and (done == t.train_iters or stopped or
+                                   (options.save_interval and done % options.save_interval == 0)):
+                self.phases.enter("checkpoint-write", done)
+                path = self.checkpointer.save(done)
+                say(f"  saved checkpoint {path}", self.is_writer)
+            if stopped:
+                say(f"  stopping after step {done} ({stopped})", self.is_writer)
+                break
+            if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
+                evals.append(self._eval_record(done))
         wall = time.perf_counter() - start
         final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
-        return self._summary(last_loss, final_eval, evals, wall, done, stopped)
+        self.phases.enter("summary", done)
+        summary = self._summary(last_loss, final_eval, evals, wall, done, stopped)
+        # Leave together: a rank tearing down gloo while a peer is still in its last
+        # collectives can abort the peer at exit.
+        dist.barrier()
+        return summary
 
     def _log_step(self, done: int, loss, norm, lr: float, sync: Optional[SyncResult], seconds: float,
                   steps: int, eta: float) -> float:
         """Record and print one step (averaged over ranks); returns the mean loss."""
+        self.phases.enter("logging", done)
         tokens_per_step = self.run.tokens_per_step
         stats = torch.stack([loss.float(), norm.float()]).detach()
         dist.all_reduce(stats)
@@ -221,6 +242,7 @@ class Trainer:
         return stats[0]
 
     def _eval_record(self, step: int) -> dict:
+        self.phases.enter("evaluation", step)
         loss = self.evaluate()
         record = {"step": step, "elapsed_s": time.perf_counter() - self._started, "eval_loss": loss,
                   "eval_perplexity": math.exp(min(loss, 50.0))}
@@ -269,4 +291,8 @@ class Trainer:
 
     def close(self) -> None:
         self.engine.close()
+        self.records.close()
+
+    def abandon(self) -> None:
+        """Close the run's files only: after a PeerLost nothing may wait on a peer again."""
         self.records.close()
