@@ -40,7 +40,7 @@ setup(
         # megatron-core: format compatibility tests of the indexed datasets (its dataset code needs no GPU)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
                  "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1", "einops>=0.8",
-                 "tensorboard>=2.14", "matplotlib>=3.7", "torchft==0.2.0"],
+                 "tensorboard>=2.14", "matplotlib>=3.7", "torchft==0.2.0", "hypothesis==6.170.17"],
     },
     entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},
 )

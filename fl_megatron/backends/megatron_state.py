@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from ..file_modes import save_safetensors
 
 INDEX_KEY = "fl_megatron_index"
 FORMAT = "fl-megatron megatron-core shards v1"
@@ -64,7 +65,7 @@ class MegatronShardFiles:
                     tensors[f"state.{k}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
         Path(directory).mkdir(parents=True, exist_ok=True)
         meta = {INDEX_KEY: json.dumps({"format": FORMAT, "shards": self._index()})}
-        save_file(tensors, str(shard_file(directory, rank, size)), metadata=meta)
+        save_safetensors(tensors, shard_file(directory, rank, size), metadata=meta)
 
     @torch.no_grad()
     def load(self, directory: Path, shard_group, load_optimizer: bool) -> None:

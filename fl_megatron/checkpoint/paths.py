@@ -51,11 +51,15 @@ def _fsync_dir(path: Path) -> None:
 def write_text_durably(path: Path, text: str) -> None:
     """Write through a temporary file, fsync, rename: readers see the old or the new text."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise
     _fsync_dir(path.parent)
 
 

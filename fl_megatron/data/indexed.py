@@ -142,7 +142,10 @@ class IndexedDatasetWriter:
     def abort(self) -> None:
         """Close and remove the temporary files; the final files are left untouched."""
         self._done = True
-        self._bin.close()
+        try:
+            self._bin.close()
+        except OSError:  # flushing the buffer failed (a full disk): the file is removed anyway
+            pass
         for path in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(path):
                 os.remove(path)

@@ -248,11 +248,14 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), append
         for key in json_keys:
             writers[key].finalize()
             done += [writers[key].bin_path, writers[key].idx_path]
-    except BaseException:
+    except BaseException as exc:
         for writer in writers.values():
             writer.abort()
         for path in done:  # a key finalized before a later one failed: nothing may look complete
             Path(path).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and (exc.filename is None or str(exc.filename).startswith(str(output_prefix))):
+            raise PreprocessError(f"could not write the output {output_prefix} (.bin/.idx): {exc}; nothing "
+                                  f"was left there and {input_path} is untouched") from exc
         raise
     stats["outputs"] = done
     stats["seconds"] = progress.seconds()

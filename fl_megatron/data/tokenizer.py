@@ -10,6 +10,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from ..file_modes import as_umask_allows
+
 # Longest training "sentence" (one line of a document), in bytes.
 _MAX_LINE_BYTES = 4096
 # Upper bound on the number of training lines SentencePiece loads.
@@ -30,7 +32,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; cached files are shared
+        as_umask_allows(tmp)  # mkstemp creates 0600: give it what open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

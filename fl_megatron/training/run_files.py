@@ -4,13 +4,13 @@ import json
 import os
 from pathlib import Path
 
+from ..checkpoint.paths import write_text_durably
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_durably(path, text)
 
 
 def _step_of(line: str) -> float:
