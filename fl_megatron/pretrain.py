@@ -62,15 +62,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .training.dry_run import dry_run_report
         print(dry_run_report(run))
         return 0
-    from .training.trainer import Trainer
+    return _train(run, env, samples)
+
+
+def _train(run, env, samples) -> int:
+    """Train to the end; every failure that can be explained ends in one line and an exit code:
+    2 (bad data met in training, a checkpoint that cannot be written), 3 (every group sick),
+    PEER_LOST_EXIT_CODE (a peer died or hung: see training.failures)."""
     import torch.distributed as dist
 
+    from .checkpoint import CheckpointReadError, CheckpointWriteError
+    from .federation.failed_collective import is_failed_collective
     from .federation.health import AllGroupsSick
     from .training.failures import PEER_LOST_EXIT_CODE, PeerLost
-    from .checkpoint import CheckpointWriteError
     from .training.run_data import DataError
+    from .training.trainer import Trainer
 
-    trainer, abandoned = Trainer(run, env, samples), False
+    try:
+        trainer, abandoned = Trainer(run, env, samples), False
+    except CheckpointReadError as e:  # found by the ranks reading that group: the others see them go
+        print(f"fl_megatron.pretrain: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as e:  # a peer died or hung while the job was starting
+        if not is_failed_collective(e):
+            raise
+        print(f"fl_megatron.pretrain: error: rank {env.rank}: a collective failed during start-up "
+              f"({' '.join(str(e).split())[:240]}); restart the job", file=sys.stderr, flush=True)
+        return PEER_LOST_EXIT_CODE
     try:
         trainer.train()  # ends with a barrier: every rank leaves together
     except AllGroupsSick as e:  # every rank decided it together: no rank is left waiting

@@ -81,3 +81,15 @@ def test_a_hung_rank_fails_the_job_after_the_collective_timeout(tmp_path):
     assert all(r["exited"] - first < MARGIN_S for r in survivors)
     assert all("the failed rank is on another node or did not exit" in r["stderr"] for r in survivors)
     assert any("timed out" in r["stderr"].lower() or "timeout" in r["stderr"].lower() for r in survivors)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+def test_a_dead_rank_on_the_other_backends(tmp_path, backend):
+    """DeepSpeed's and megatron-core's own collectives fail the same way: the phase is named."""
+    pytest.importorskip({"deepspeed": "deepspeed", "megatron": "megatron.core"}[backend])
+    results = spawn_ranks(4, tmp_path / "run", tmp_path / "cache", *FLAGS, "--backend", backend,
+                          env_extra={"FL_MEGATRON_FAULT": "kill:forward-backward:4:1"}, timeout=300)
+    assert results[1]["returncode"] == -9
+    for r in _survivors(results, 1):
+        assert r["exited"] - results[1]["exited"] < TIMEOUT_MIN * 60 + MARGIN_S
+    assert "during forward-backward of step 4: rank 1 (this node) is gone" in results[0]["stderr"]

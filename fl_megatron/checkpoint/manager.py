@@ -37,6 +37,10 @@ class CheckpointWriteError(OSError):
     stays the published one."""
 
 
+class CheckpointReadError(ValueError):
+    """A checkpoint whose files passed the checks but could not be read into the model."""
+
+
 def _write_failure(err: BaseException, root: Path, iteration: int) -> CheckpointWriteError | None:
     """`err` (raised while writing, perhaps wrapped by DCP or DeepSpeed) as a CheckpointWriteError,
     or None when it is a failed collective, which stays what it is (see training.failures)."""
@@ -127,7 +131,15 @@ class Checkpointer:
             return 0
         path, meta = find_checkpoint(Path(root))
         sources, notes = source_groups(meta, self.run)
-        self.backend.load_state(group_dir(path, sources[self.group]), self.options.load_optim)
+        source = group_dir(path, sources[self.group])
+        try:
+            self.backend.load_state(source, self.options.load_optim)
+        except (Exception, CheckpointException) as e:  # a file damaged inside (the manifest checks sizes only)
+            if is_failed_collective(e):
+                raise
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise CheckpointReadError(f"could not read the checkpoint {source}: {lines[-1] if lines else e!r}; "
+                                      "it is damaged or was written by another version") from e
         rng = rng_file(path, self.rank)
         if meta["layout"]["world_size"] == self.run.layout.world_size and rng.is_file():
             _set_rng_state(load_file(str(rng)))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..config.resolved import ResolvedRun
+from .metadata_schema import metadata_problems
 from .paths import METADATA, TRACKER, iteration_dir, published_iterations, read_tracker
 
 FORMAT = "fl-megatron-checkpoint"
@@ -66,7 +67,9 @@ def find_checkpoint(root: Path, iteration: int | None = None) -> tuple[Path, dic
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has checkpoint format version {meta.get('format_version')}; this "
                          f"fl-megatron reads version {FORMAT_VERSION}")
-    problems = []
+    problems = metadata_problems(meta)
+    if problems:
+        raise ValueError(f"{meta_path} is damaged: " + "; ".join(problems[:8]))
     for name, size in meta.get("manifest", {}).items():
         f = path / name
         if not f.is_file():
