@@ -65,6 +65,7 @@ BASE = ["--model", "llama-tiny"]
     (["--fl-bucket-mb", "0"], ["bucket_mb=0"]),
     (["--ranks-per-node", "8"], ["--ranks-per-node 8 does not match the 4 processes per node"]),
     (["--micro-batch-size", "0"], ["micro_batch_size=0"]),
+    (["--num-layers", "1000000000"], ["num_layers=1000000000 is above 4,096"]),  # found by the fuzzer: a hang
 ])
 def test_invalid_flags_fail_before_process_groups(launched, capsys, flags, needles):
     _fails(capsys, BASE + flags, *needles)
@@ -85,6 +86,7 @@ def test_bad_types_on_the_command_line(launched, capsys):
     ({"training": {"train_iter": 10}}, ["unknown key 'train_iter' (did you mean 'train_iters'?)"]),
     ({"training": {"lr": "fast"}}, ["training.lr", "expected float", "fast"]),
     ({"training": {"train_iters": 2.5}}, ["training.train_iters", "expected int"]),
+    ({"training": {"seq_length": None}}, ["training.seq_length: expected int, got null"]),  # found by the fuzzer
     ({"model": {"preset": "nope"}}, ["nope"]),
     ([1, 2], ["top level must be an object"]),
 ])

@@ -4,7 +4,7 @@ flags, --config files, DeepSpeed JSON, indexed data files and checkpoints.
 The property, for every input: the dry run (which opens what the run would open) either passes
 or exits 2 with one `error:` line; never another exception, never a hang, and no file is left
 next to the inputs. Fixed seed (derandomize) and FL_FUZZ_EXAMPLES examples per fuzzer (default
-60; the long run: FL_FUZZ_EXAMPLES=2000).
+200; the long run: FL_FUZZ_EXAMPLES=5000).
 """
 
 import contextlib
@@ -26,7 +26,7 @@ from fl_megatron.config.run import RunConfig
 from fl_megatron.data.indexed import IndexedDatasetWriter
 from fl_megatron.pretrain import main
 
-EXAMPLES = int(os.environ.get("FL_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("FL_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])

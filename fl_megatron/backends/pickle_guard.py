@@ -34,8 +34,25 @@ def _deepspeed_classes() -> list:
 
 def _refusal(path, err: Exception) -> ValueError:
     return ValueError(f"{path}: refusing to load it: it is a pickle that names code outside the allowlist "
-                      f"of tensors and checkpoint records, which could run when unpickled ({err}). Only load "
-                      "checkpoints written by fl-megatron (or DeepSpeed/DCP) from a source you trust")
+                      f"of tensors and checkpoint records, which could run when unpickled ({_reason(err)}). "
+                      "Only load checkpoints written by fl-megatron (or DeepSpeed/DCP) from a source you trust")
+
+
+def _names_a_global(err: Exception) -> bool:
+    """Whether torch's weights-only unpickler refused a global (not just a damaged stream)."""
+    return "GLOBAL" in str(err)
+
+
+def _reason(err: Exception) -> str:
+    """The line of an unpickler's error that names the refused global (torch's message also
+    suggests weights_only=False, which is exactly what must not be done with such a file)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next((line for line in lines if "GLOBAL" in line or "is not allowed" in line), lines[-1] if lines else "")
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
 
 
 def check_torch_file(path: Path, extra_classes=()) -> None:
@@ -44,9 +61,11 @@ def check_torch_file(path: Path, extra_classes=()) -> None:
         with torch.serialization.safe_globals(list(extra_classes)):
             torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        raise _refusal(path, e) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable torch checkpoint file ({type(e).__name__}: {e})") from None
+        if _names_a_global(e):
+            raise _refusal(path, e) from None
+        raise ValueError(f"{path}: not a readable torch checkpoint file ({_first_line(e)})") from None
+    except Exception as e:  # a damaged zip or pickle fails in many ways
+        raise ValueError(f"{path}: not a readable torch checkpoint file ({type(e).__name__}: {_first_line(e)})") from None
 
 
 def check_deepspeed_dir(directory: Path) -> None:
@@ -66,13 +85,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: Path):
-    """DCP's `.metadata` pickle, unpickled with the allowlist above."""
+    """DCP's `.metadata` pickle, unpickled with the allowlist above. Read from memory: a damaged
+    frame length then cannot make the reader allocate what the length says."""
+    data = Path(path).read_bytes()
     try:
-        with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
+        return _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
-        raise _refusal(path, e) from None
-    except (EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as e:
+        if "is not allowed" in str(e):
+            raise _refusal(path, e) from None
+        raise ValueError(f"{path}: not a readable DCP metadata file ({e})") from None
+    except Exception as e:  # a damaged pickle fails in many ways (EOF, overflow, memory, lookups)
         raise ValueError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from None
 
 
@@ -95,7 +117,9 @@ class GuardedPlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise _refusal(f"checkpoint entry {read_item.dest_index.fqn}", e) from None
+            if _names_a_global(e):
+                raise _refusal(f"checkpoint entry {read_item.dest_index.fqn}", e) from None
+            raise
         value.seek(0)
         super().load_bytes(read_item, value)
 

@@ -10,6 +10,12 @@ MEGATRON_ROPE_SCALING = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4
                          "rope_original_max_position": 8192}
 
 
+# Upper bounds far above any published model (Llama 3.1 405B: 126 layers, hidden 16,384, FFN
+# 53,248, vocabulary 128,256), so that a typo is an error rather than hours of building modules.
+SIZE_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 20, "ffn_hidden_size": 1 << 22,
+               "num_attention_heads": 1 << 14, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+
+
 @dataclass
 class ModelConfig:
     """Shape of a decoder-only transformer. Every field maps to a Megatron-style flag."""
@@ -81,6 +87,9 @@ class ModelConfig:
                      "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 errors.append(f"{name}={getattr(self, name)} must be positive")
+            elif getattr(self, name) > SIZE_LIMITS[name]:
+                errors.append(f"{name}={getattr(self, name)} is above {SIZE_LIMITS[name]:,}, far past any "
+                              "model this tool trains (a typo?)")
         if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
             errors.append(f"hidden_size={self.hidden_size} is not divisible by "
                           f"num_attention_heads={self.num_attention_heads}")

@@ -95,8 +95,12 @@ class PhaseTracker:
         text = " ".join(str(err).split())
         if not is_failed_collective(err) and not gone:
             return None
-        who = (f"rank {', '.join(map(str, gone))} (this node) is gone" if gone
-               else "the failed rank is on another node or did not exit")
+        if len(gone) == 1:
+            who = f"rank {gone[0]} (this node) is gone"
+        elif gone:
+            who = f"ranks {', '.join(map(str, gone))} (this node) are gone"
+        else:
+            who = "the failed rank is on another node or did not exit"
         lost = PeerLost(f"rank {self.rank}: a collective failed during {self.phase} of step {self.step}: {who} "
                         f"({text[:240]}). Restart the job; with --load it resumes from the last published "
                         "checkpoint")
