@@ -211,7 +211,7 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              largest_layer_params: Optional[int] = None,
                              flash_attention: bool = True,
                              recompute: bool = False, replicated_params: bool = False,
-                             grad_bytes: int = 4, outer_state_shards: int = 0) -> Dict[str, float]:
+                             grad_bytes: int = 4, outer_state_shards: float = 0) -> Dict[str, float]:
     """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
 
     Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
@@ -290,5 +290,5 @@ def saved_outer_copies(fed, num_groups: int, replicas: int) -> int:
     the shards of all ranks of the F x P replicas cover the model F x P times."""
     if num_groups < 2 or not fed.syncing:
         return 0
-    persistent = fed.outer_state_shards - (2 if fed.overlap_steps else 0)
+    persistent = round(fed.outer_state_shards - fed.in_flight_shards)
     return persistent * num_groups * replicas

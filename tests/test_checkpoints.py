@@ -76,14 +76,17 @@ def test_deepspeed_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "deepspeed")
 
 
-def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path):
-    """The anchors, Nesterov momentum and int8 error-feedback residuals are saved per rank."""
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path, fragments):
+    """The anchors, Nesterov momentum and int8 error-feedback residuals are saved per rank; with
+    2 fragments the step-3 checkpoint falls between the syncs of fragment 0 (2) and 1 (4)."""
     _exact_resume(tmp_path, "fsdp2", "--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
-                  "--fl-error-feedback")
+                  "--fl-error-feedback", "--fl-fragments", str(fragments))
     files = list((tmp_path / "ckpt" / "iter_0000006" / "outer").glob("rank_*.safetensors"))
     assert len(files) == 4
     # the dry run's checkpoint size counts them: anchor + momentum + residual, per rank, 2 groups
-    fed = FederationConfig(sync_interval=4, outer_optimizer="nesterov", sync_dtype="int8", error_feedback=True)
+    fed = FederationConfig(sync_interval=4, outer_optimizer="nesterov", sync_dtype="int8", error_feedback=True,
+                           fragments=fragments)
     reader = CheckpointReader(tmp_path / "ckpt")
     num_params = sum(reader.tensor(n, reader.groups[0]).numel() for n in reader.names)
     with_outer = checkpoint_bytes(num_params, 2, "adamw", outer_copies=saved_outer_copies(fed, 2, 1))["exact"]

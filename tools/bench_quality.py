@@ -32,6 +32,9 @@ LAYOUTS = {
     "FL+FSDP int8+EF overlap": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int8", "--fl-error-feedback",
                                     "--fl-overlap-steps", "1"]),
     "FL+FSDP int4+EF": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int4", "--fl-error-feedback"]),
+    "FL+FSDP int4+EF 2 fragments overlap": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int4",
+                                                "--fl-error-feedback", "--fl-fragments", "2",
+                                                "--fl-overlap-steps", "1"]),
     "FL+FSDP nesterov int8+EF": (4, ["--fl-group-size", "2", "--fl-outer-optimizer", "nesterov",
                                      "--fl-sync-dtype", "int8", "--fl-error-feedback"]),
 }
@@ -40,10 +43,12 @@ GOSSIP = ("complete", "ring", "exponential", "one-peer-exponential", "ada")
 LAYOUTS.update({f"G8 {t}": (8, ["--fl-group-size", "1", "--fl-topology", t, "--fl-dbench-metrics"]) for t in GOSSIP})
 # what summary.json must report for each: (federation groups, replicas per group)
 EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2),
-            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1),
+            "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1),
+            "FL+FSDP int4+EF 2 fragments overlap": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1),
             **{f"G8 {t}": (8, 1) for t in GOSSIP}}
 PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP"),
          "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "int4": ("FL+FSDP", "FL+FSDP int4+EF"),
+         "int4-frag2-overlap": ("FL+FSDP", "FL+FSDP int4+EF 2 fragments overlap"),
          "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF")}
 
 

@@ -146,14 +146,15 @@ class Checkpointer:
         else:
             notes.append("random states re-seeded (another world size)")
         self.engine.last_synced_step = meta["federation"]["last_synced_step"]
+        saved_fed, fed = meta["config"]["federation"], self.run.cfg.federation
         outer = outer_file(path, self.rank)
-        if meta["layout"]["world_size"] == self.run.layout.world_size and outer.is_file():
+        same_cut = saved_fed.get("fragments", 1) == fed.fragments
+        if meta["layout"]["world_size"] == self.run.layout.world_size and same_cut and outer.is_file():
             self.engine.load_state_tensors(load_file(str(outer), device=str(self.engine.groups.mesh.device_type)))
-        elif self.engine.outer is not None or self.run.cfg.federation.error_feedback:
+        elif self.engine.outer is not None or fed.error_feedback:
             self.engine.restart_outer_state()
             notes.append("outer optimizer state and error-feedback residuals restarted from the loaded weights "
-                         "(none saved for this layout)")
-        saved_fed, fed = meta["config"]["federation"], self.run.cfg.federation
+                         "(none saved for this " + ("layout)" if same_cut else "number of fragments)"))
         if "schedule" in meta["federation"] and (saved_fed.get("topology"), saved_fed.get("ada_graphs")) == (
                 fed.topology, fed.ada_graphs):
             self.engine.schedule.load_state(meta["federation"]["schedule"])

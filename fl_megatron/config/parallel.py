@@ -11,6 +11,7 @@ SYNC_DTYPES = ("fp32", "bf16", "int8", "int4")
 QUANT_BLOCK = 256  # elements sharing one fp32 scale in an int8/int4 sync
 QUANT_BITS = {"int8": 8, "int4": 4}
 INNER_STATE_POLICIES = ("keep", "average", "reset")
+MAX_FRAGMENTS = 1024  # far more than Streaming DiLoCo's schedules; far fewer than any rank's shard elements
 
 # the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
 DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
@@ -90,6 +91,11 @@ class FederationConfig:
                                      "travels (K < H), then merge: the new anchor plus each group's own progress "
                                      "since the sync started (two more fp32 shards while in flight); the last "
                                      "sync is blocking"})
+    fragments: int = field(
+        default=1, metadata={"help": "cut each rank's shards into N fragments and sync one of them every H/N steps, "
+                                     "in turn (Streaming DiLoCo): each fragment still syncs every H steps, the "
+                                     "bytes spread over N syncs of 1/N; N divides H; the last sync and a sick "
+                                     "group's reset cover every fragment"})
     sick_loss_ratio: float = field(
         default=0.0, metadata={"help": "at a sync, also leave out (and reset to the others' average) a group whose "
                                        "loss exceeds this many times the best group's; 0 disables (groups with "
@@ -145,14 +151,24 @@ class FederationConfig:
         return {"fp32": 4.0, "bf16": 2.0}[self.sync_dtype]
 
     @property
-    def outer_state_shards(self) -> int:
+    def outer_state_shards(self) -> float:
         """fp32 shard-sized buffers a rank keeps for the sync: anchor and outer optimizer state
         (fedavg lr != 1 or compressed: 1, nesterov: 2, adam: 3), plus one for error feedback and
-        two while a sync is in flight (--fl-overlap-steps)."""
+        two fragments' worth while a sync is in flight (--fl-overlap-steps)."""
         if self.plain_average:
             return 0
         return ({"fedavg": 1, "nesterov": 2, "adam": 3}[self.outer_optimizer] + int(self.error_feedback)
-                + (2 if self.overlap_steps else 0))
+                + self.in_flight_shards)
+
+    @property
+    def in_flight_shards(self) -> float:
+        """fp32 shard-sized buffers of an overlapped sync in flight: two of the fragment it moves."""
+        return 2 / self.fragments if self.overlap_steps else 0
+
+    @property
+    def fragment_interval(self) -> int:
+        """Steps between two syncs: H, or H/N with fragments."""
+        return self.sync_interval // self.fragments
 
     @property
     def gossip(self) -> bool:
@@ -195,9 +211,7 @@ class FederationConfig:
             errors.append(f"outer_momentum={self.outer_momentum} must lie in [0, 1)")
         if self.overlap_steps < 0:
             errors.append(f"overlap_steps={self.overlap_steps} must be >= 0")
-        elif self.overlap_steps and self.syncing and self.overlap_steps >= self.sync_interval:
-            errors.append(f"overlap_steps={self.overlap_steps} must be smaller than sync_interval="
-                          f"{self.sync_interval} (a sync lands before the next one starts)")
+        errors += self._fragment_errors()
         if self.sick_loss_ratio != 0 and self.sick_loss_ratio <= 1:
             errors.append(f"sick_loss_ratio={self.sick_loss_ratio} must be above 1 (or 0: off)")
         if self.inner_state not in INNER_STATE_POLICIES:
@@ -209,6 +223,27 @@ class FederationConfig:
         errors += self._gossip_errors()
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))
+
+    def _fragment_errors(self) -> list[str]:
+        """Problems of --fl-fragments with the interval, the overlap and the other sync options."""
+        if not 1 <= self.fragments <= MAX_FRAGMENTS:
+            return [f"fragments={self.fragments} must lie in [1, {MAX_FRAGMENTS}]"]
+        errors = []
+        if self.syncing and self.sync_interval % self.fragments:
+            errors.append(f"fragments={self.fragments} must divide sync_interval={self.sync_interval} (a fragment "
+                          "syncs every H/N steps)")
+        elif self.overlap_steps and self.syncing and self.overlap_steps >= self.fragment_interval:
+            between = (f"sync_interval / fragments = {self.fragment_interval}" if self.fragments > 1
+                       else f"sync_interval={self.sync_interval}")
+            errors.append(f"overlap_steps={self.overlap_steps} must be smaller than {between} "
+                          "(a sync lands before the next one starts)")
+        if self.fragments > 1 and self.topology != "complete":
+            errors.append(f"fragments={self.fragments} works with topology complete only (a gossip round mixes "
+                          "whole shards)")
+        if self.fragments > 1 and self.inner_state == "reset":
+            errors.append(f"inner_state reset restarts every moment at every sync: with fragments={self.fragments} "
+                          "that is N times per interval; use keep or average")
+        return errors
 
     def _gossip_errors(self) -> list[str]:
         """Problems of the topology settings that do not depend on the number of groups."""

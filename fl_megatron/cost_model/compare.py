@@ -17,7 +17,8 @@ def compare_rows(run: ResolvedRun, work: Optional[Workload] = None) -> list[dict
     cluster = Cluster.from_config(cfg.cluster)
     h = cfg.federation.sync_interval if cfg.federation.syncing else 0
     variants = baseline_variants(layout.world_size, layout.ranks_per_node) + \
-        federated_variants(layout, h, cfg.federation.overlap_steps, cfg.federation.densest_graph)
+        federated_variants(layout, h, cfg.federation.overlap_steps, cfg.federation.densest_graph,
+                                              cfg.federation.fragments)
     predictions = [predict(v, work, cluster, cfg.cluster.overlap) for v in variants]
     baselines = {p.variant.label: p for p in predictions[:2]}
     return [prediction_row(p, work.tokens_per_step, baselines) for p in predictions]

@@ -7,7 +7,7 @@ from .timing import Prediction
 def prediction_row(p: Prediction, tokens_per_step: int, baselines: dict[str, Prediction]) -> dict:
     """Plain-JSON summary of one prediction, with the speed-up over each baseline."""
     row = {"variant": p.variant.label, "layout": _layout_text(p), "compute_s": p.compute_seconds,
-           "step_s": p.step_seconds, "sync_s": p.sync_seconds, "sync_interval": p.variant.sync_interval,
+           "step_s": p.step_seconds, "sync_s": p.sync_seconds, "sync_interval": p.variant.sync_every,
            "mean_step_s": p.mean_step_seconds, "tokens_per_s": tokens_per_step / p.mean_step_seconds,
            "inter_node_bytes_per_step": p.step_inter_node_bytes,
            "inter_node_bytes_per_sync": p.sync_inter_node_bytes}

@@ -41,6 +41,12 @@ class Variant:
     replica_split: bool = True
     overlap_steps: int = 0  # --fl-overlap-steps: the sync travels while K steps train
     graph: str = "complete"  # --fl-topology: the graph of a sync (ada: its densest)
+    fragments: int = 1  # --fl-fragments: a sync moves 1/N of the shards, every H/N steps
+
+    @property
+    def sync_every(self) -> int:
+        """Steps between two syncs (H/N with fragments; 0: no sync)."""
+        return self.sync_interval // self.fragments
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class Prediction:
 
     @property
     def sync_seconds(self) -> float:
+        """One sync (of one fragment with --fl-fragments)."""
         return sum(t.seconds for t in self.sync_comm)
 
     @property
@@ -77,19 +84,23 @@ class Prediction:
     @property
     def mean_step_seconds(self) -> float:
         """One step with the sync amortised over H steps."""
-        h = self.variant.sync_interval
+        h = self.variant.sync_every
         return self.step_seconds + (self.exposed_sync_seconds / h if h else 0.0)
 
     def run_seconds(self, steps: int) -> float:
-        """`steps` steps and their syncs (one every H steps and one after the last, which is
-        blocking)."""
-        syncs = self.syncs(steps)
-        return steps * self.step_seconds + max(0, syncs - 1) * self.exposed_sync_seconds + \
-            (self.sync_seconds if syncs else 0.0)
+        """`steps` steps and their syncs (one every H/N steps, and after the last one of every
+        fragment, which is blocking)."""
+        syncs, last = self.syncs(steps), self.variant.fragments
+        return steps * self.step_seconds + max(0, syncs - last) * self.exposed_sync_seconds + \
+            (last * self.sync_seconds if syncs else 0.0)
 
     def syncs(self, steps: int) -> int:
-        h = self.variant.sync_interval
-        return 0 if not h or not self.sync_comm else steps // h + (steps % h != 0)
+        """Syncs of one fragment each (of the shards without fragments) in `steps` steps: every
+        H/N steps, the one after the last step being a sync of all N fragments."""
+        h, n = self.variant.sync_every, self.variant.fragments
+        if not h or not self.sync_comm or steps < 1:
+            return 0
+        return steps // h - (steps % h == 0) + n
 
     def run_inter_node_bytes(self, steps: int, evaluations: int = 0) -> float:
         """Inter-node wire bytes of `steps` steps, their syncs and `evaluations` evaluations."""
@@ -109,7 +120,8 @@ def predict(variant: Variant, work: Workload, cluster: Cluster, overlap: float =
     compute = work.compute_seconds if compute_seconds is None else compute_seconds
     step = _timed(step_comm(layout, work.num_params, work.param_bytes, work.grad_bytes, work.micro_batches,
                             work.regathered_params, work.units, work.gathered_once), layout, cluster)
-    sync = _timed(sync_comm(layout, work.num_params, work.master_bytes, variant.replica_split, variant.graph), layout,
+    fragment = -(-work.num_params // variant.fragments)  # the largest fragment
+    sync = _timed(sync_comm(layout, fragment, work.master_bytes, variant.replica_split, variant.graph), layout,
                   cluster) if variant.sync_interval else ()
     comm = sum(t.seconds for t in step)
     gathers = step_comm(layout, work.num_params, work.param_bytes, micro_batches=max(work.eval_forwards, 1),

@@ -15,16 +15,15 @@ def baseline_variants(world: int, ranks_per_node: int) -> list[Variant]:
 
 
 def federated_variants(layout: Layout, sync_interval: int, overlap_steps: int = 0,
-                       graph: str = "complete") -> list[Variant]:
+                       graph: str = "complete", fragments: int = 1) -> list[Variant]:
     """A federated layout as run: FL+FSDP, or FL+HSDP with both averaging variants."""
     if not layout.is_federated:
         return []
+    sync = dict(overlap_steps=overlap_steps, graph=graph, fragments=fragments)
     if not layout.is_hsdp:
-        return [Variant("FL+FSDP", layout, sync_interval, overlap_steps=overlap_steps, graph=graph)]
-    return [Variant("FL+HSDP naive", layout, sync_interval, replica_split=False, overlap_steps=overlap_steps,
-                    graph=graph),
-            Variant("FL+HSDP split", layout, sync_interval, replica_split=True, overlap_steps=overlap_steps,
-                    graph=graph)]
+        return [Variant("FL+FSDP", layout, sync_interval, **sync)]
+    return [Variant("FL+HSDP naive", layout, sync_interval, replica_split=False, **sync),
+            Variant("FL+HSDP split", layout, sync_interval, replica_split=True, **sync)]
 
 
 def comparison_variants(world: int, ranks_per_node: int, group_size: Optional[int], shard_size: Optional[int],

@@ -50,6 +50,11 @@ class SyncStats:
     sq_mean_sum: float = 0.0     # sum over sampled elements of average^2
     samples: int = 0
 
+    def merge(self, other: "SyncStats") -> None:
+        """Add another average's counts and sums (several fragments in one sync)."""
+        for name in ("inter_group_bytes", "intra_group_bytes", "collectives", "sq_dev_sum", "sq_mean_sum", "samples"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 @dataclass
 class _InFlight:

@@ -13,6 +13,7 @@ from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
 from .consensus import Consensus, measure
 from .contract import ShardOwner
+from .fragments import due_fragment, fragment_views
 from .graphs import gossip_round
 from .groups import ProcessGroups
 from .health import AllGroupsSick, sick_groups
@@ -35,6 +36,7 @@ class SyncResult:
     sick_groups: tuple = ()  # groups left out of this average and reset to it
     graph: str = "complete"  # the communication graph of this sync (--fl-topology)
     consensus: Optional[Consensus] = None  # DBench metrics, measured before anything moved
+    fragments: tuple = ()  # the fragments this sync moved (--fl-fragments; empty: every shard)
 
 
 class FederationEngine:
@@ -55,18 +57,38 @@ class FederationEngine:
                 bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
                 peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), **compression)
 
-        self.averager = averager(sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
+        # one averager (and error-feedback residuals) and one outer optimizer per fragment
+        self.fragments = config.fragments if self.active else 1
+        self.averagers = [averager(sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
+                          for _ in range(self.fragments)]
+        self.averager = self.averagers[0]
         # --fl-inner-state average: the inner optimizer's moments, averaged exactly (fp32)
         self.state_averager = averager()
-        self.last_synced_step = 0
+        self.last_synced_step = 0  # the last sync that averaged every fragment
         # outer optimizer (anchor + state shards) unless a sync is today's exact fp32 FedAvg
-        self.outer = None
+        self.outers: list[OuterOptimizer] = []
         if self.active and not config.plain_average:
-            self.outer = OuterOptimizer(backend.local_shards(), config.outer_optimizer,
-                                        config.resolved_outer_lr, config.outer_momentum)
+            self.outers = self._new_outers()
         self.overlapper = Overlapper() if self.active and config.overlap_steps else None
         self.flight: Optional[InFlight] = None
         self.schedule = GraphSchedule(config)
+
+    @property
+    def outer(self) -> Optional[OuterOptimizer]:
+        """The outer optimizer of the shards (of fragment 0 with --fl-fragments), or None."""
+        return self.outers[0] if self.outers else None
+
+    def _new_outers(self) -> list[OuterOptimizer]:
+        c = self.config
+        return [OuterOptimizer(views, c.outer_optimizer, c.resolved_outer_lr, c.outer_momentum)
+                for views in self._fragments()]
+
+    def _fragments(self) -> list[list[torch.Tensor]]:
+        """The backend's shards cut into this run's fragments (one: the shards themselves)."""
+        try:
+            return fragment_views(self.backend.local_shards(), self.fragments)
+        except ValueError as e:
+            raise ValueError(f"--fl-fragments {self.fragments}: {e} (this rank's shards are too small)") from None
 
     @property
     def active(self) -> bool:
@@ -76,15 +98,14 @@ class FederationEngine:
     def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None) -> Optional[SyncResult]:
         """Call after optimizer step `step` (1-based), with this rank's loss of that step; syncs
         when due and returns what it did."""
-        interval = self.config.sync_interval if self.config.syncing else 0
+        interval = self.config.fragment_interval if self.config.syncing else 0
         landed = None
         if self.flight is not None and (step >= self.flight.due or last):
             landed = self.land()
         if not sync_due(step, interval, last, self.groups.layout.is_federated):
             return landed
         if self.overlapper is not None and not last:
-            self._launch(step, loss)
-            return landed
+            return self._launch(step, loss) or landed
         return self.sync(step, loss, full=last)
 
     def _health(self, step: int, shards: list, loss) -> tuple[list, bool, Optional[int]]:
@@ -97,15 +118,27 @@ class FederationEngine:
                                 "loss): nothing is left to average; stopping without saving")
         return sick, group not in sick, (layout.num_groups - len(sick) if sick else None)
 
-    def _launch(self, step: int, loss) -> None:
-        """Start a sync in the background (--fl-overlap-steps): it lands K steps later."""
+    def _launch(self, step: int, loss) -> Optional[SyncResult]:
+        """Start a sync in the background (--fl-overlap-steps): it lands K steps later. With
+        fragments, a sick group is reset at once instead, by a blocking sync of every fragment."""
         shards = self.backend.local_shards()
         sick, include, contributors = self._health(step, shards, loss)
+        if sick and self.fragments > 1:
+            return self.sync(step, loss, full=True)
         consensus = self._measure() if self.config.measures_consensus else None
-        average = lambda buffers: self.averager.average(buffers, include, contributors)  # noqa: E731
-        self.flight = self.overlapper.launch(average, self.outer, shards, step=step,
-                                             due=step + self.config.overlap_steps, include=include,
-                                             contributors=contributors, sick=tuple(sick), consensus=consensus)
+        fragment = self._due(step)
+        averager = self.averagers[fragment]
+        average = lambda buffers: averager.average(buffers, include, contributors)  # noqa: E731
+        self.flight = self.overlapper.launch(average, self.outers[fragment], self._fragments()[fragment],
+                                             step=step, due=step + self.config.overlap_steps, include=include,
+                                             contributors=contributors, sick=tuple(sick), consensus=consensus,
+                                             fragment=fragment)
+        return None
+
+    def _due(self, step: int) -> int:
+        """The fragment a scheduled sync after `step` moves (0 without fragments)."""
+        fragment = due_fragment(step, self.config.sync_interval, self.fragments) if self.config.syncing else None
+        return fragment or 0
 
     def land(self) -> SyncResult:
         """Wait for the sync in flight and merge it (a checkpoint calls this before saving)."""
@@ -113,10 +146,11 @@ class FederationEngine:
         start = time.perf_counter()
         stats = flight.future.result()
         shards = self.backend.local_shards()
-        Overlapper.land(flight, self.outer, shards)
-        self._inner_state(stats, flight.include, flight.contributors)
+        Overlapper.land(flight, self.outers[flight.fragment], self._fragments()[flight.fragment])
+        self._inner_state(stats, flight.include, flight.contributors, flight.fragment)
         self.backend.refresh_after_sync()
-        return self._result(flight.step, start, stats, flight.consensus, Choice("complete"), flight.sick, shards)
+        return self._result(flight.step, start, stats, flight.consensus, Choice("complete"), flight.sick, shards,
+                            self._moved((flight.fragment,)))
 
     def sync(self, step: int, loss: Optional[torch.Tensor] = None, full: bool = True) -> SyncResult:
         """Sync now (collective over all ranks): measure the consensus, then average over all
@@ -130,24 +164,35 @@ class FederationEngine:
         sick, include, contributors = self._health(step, shards, loss)
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
+        moved: tuple = ()
         if choice.graph == "complete":
-            if self.outer is not None:
-                self.outer.to_pseudo_gradients(shards)
-            stats = self.averager.average(shards, include, contributors)
-            if self.outer is not None:
-                self.outer.step(shards)
-            self.last_synced_step = step
+            moved = tuple(range(self.fragments)) if full or sick else (self._due(step),)
+            stats = SyncStats()
+            views = self._fragments()
+            for fragment in moved:
+                outer = self.outers[fragment] if self.outers else None
+                if outer is not None:
+                    outer.to_pseudo_gradients(views[fragment])
+                stats.merge(self.averagers[fragment].average(views[fragment], include, contributors))
+                if outer is not None:
+                    outer.step(views[fragment])
+            if len(moved) == self.fragments:
+                self.last_synced_step = step
         elif choice.graph == "none":
             stats = SyncStats()
         else:
             layout, group = self.groups.layout, self.groups.coords[0]
             stats = self.averager.average(shards, mixing=gossip_round(choice.graph, layout.num_groups, group,
                                                                       choice.round_index))
-        self._inner_state(stats, include, contributors)
+        self._inner_state(stats, include, contributors, moved[0] if len(moved) == 1 else None)
         if choice.graph != "none":
             self.backend.refresh_after_sync()
         return self._result(step, start, stats, consensus, choice, tuple(sick),
-                            shards if self.outer is not None else None)
+                            shards if self.outers else None, self._moved(moved))
+
+    def _moved(self, fragments: tuple) -> tuple:
+        """The fragments a sync moved, as reported (empty without --fl-fragments)."""
+        return fragments if self.fragments > 1 else ()
 
     def _measure(self) -> Consensus:
         """DBench metrics of the shards as they are (before the sync moves anything)."""
@@ -158,14 +203,14 @@ class FederationEngine:
                        device_type=self.groups.mesh.device_type, max_samples=self.config.consensus_samples)
 
     def _result(self, step: int, start: float, stats: SyncStats, consensus: Optional[Consensus], choice: Choice,
-                sick: tuple, shards=None) -> SyncResult:
+                sick: tuple, shards=None, fragments: tuple = ()) -> SyncResult:
         """The sync's result. With DBench metrics: the bytes each group sent (an all-reduce at its
         ring size on the wire, the metric's sample too) go into the consensus record; without
         them the variance comes from the average itself (free)."""
         if consensus is None:
             variance, rms = self._global_metrics(stats, shards)
             return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
-                              variance, rms, sick, choice.graph)
+                              variance, rms, sick, choice.graph, fragments=fragments)
         groups = self.groups.layout.num_groups
         ring = wire_shards_per_sync("complete", groups)
         self.ledger.add("inter-group", self.averager.peer_tier, consensus.sample_bytes)
@@ -176,14 +221,18 @@ class FederationEngine:
         consensus.group_bytes = [int(b) for b in per_group.tolist()]
         rms = (sum(n * n for n in consensus.group_norms) / groups / max(1.0, consensus.elements)) ** 0.5
         return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
-                          consensus.variance, rms, sick, choice.graph, consensus)
+                          consensus.variance, rms, sick, choice.graph, consensus, fragments)
 
-    def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int]) -> None:
+    def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int],
+                     fragment: Optional[int] = None) -> None:
         """--fl-inner-state: keep, average (left-out groups take the others' mean) or reset; a
-        left-out (sick) group always restarts its moments unless they are averaged."""
+        left-out (sick) group always restarts its moments unless they are averaged. A sync of
+        one fragment averages the same fraction of the moments (cut the same way), in turn."""
         policy = self.config.inner_state
         if policy == "average":
             state = self.backend.inner_state_shards()
+            if state and fragment is not None and self.fragments > 1:
+                state = fragment_views(state, self.fragments)[fragment]
             if state:
                 moved = self.state_averager.average(state, include, contributors)
                 stats.inter_group_bytes += moved.inter_group_bytes
@@ -202,22 +251,32 @@ class FederationEngine:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's outer-optimizer anchors and state, and error-feedback residuals (empty for
         the plain average): what an exact resume needs beyond the backend's state."""
-        out = dict(self.outer.state_tensors()) if self.outer is not None else {}
-        out.update({f"residual.{i}": r for i, r in self.averager.residuals.items()})
+        out = {}
+        for fragment in range(self.fragments):
+            prefix = self._state_prefix(fragment)
+            if self.outers:
+                out.update({prefix + k: v for k, v in self.outers[fragment].state_tensors().items()})
+            out.update({f"{prefix}residual.{i}": r for i, r in self.averagers[fragment].residuals.items()})
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.outer is not None:
-            self.outer.load_state_tensors(tensors)
-        self.averager.residuals = {int(k.split(".")[1]): v.clone() for k, v in tensors.items()
-                                   if k.startswith("residual.")}
+        for fragment in range(self.fragments):
+            prefix = self._state_prefix(fragment)
+            mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if self.outers:
+                self.outers[fragment].load_state_tensors(mine)
+            self.averagers[fragment].residuals = {int(k.split(".")[1]): v.clone() for k, v in mine.items()
+                                                  if k.startswith("residual.")}
+
+    def _state_prefix(self, fragment: int) -> str:
+        return f"fragment{fragment}." if self.fragments > 1 else ""
 
     def restart_outer_state(self) -> None:
         """Anchors from the current (loaded) shards, fresh outer state and residuals."""
-        if self.outer is not None:
-            self.outer = OuterOptimizer(self.backend.local_shards(), self.config.outer_optimizer,
-                                        self.config.resolved_outer_lr, self.config.outer_momentum)
-        self.averager.residuals = {}
+        if self.outers:
+            self.outers = self._new_outers()
+        for averager in self.averagers:
+            averager.residuals = {}
 
     def _global_metrics(self, stats: SyncStats, shards=None) -> tuple[float, float]:
         """Variance across groups and parameter rms, pooled over every rank's sample. With an

@@ -33,6 +33,7 @@ class InFlight:
     contributors: object
     sick: tuple
     consensus: object = None  # DBench metrics measured at launch
+    fragment: int = 0         # the fragment in flight (--fl-fragments)
 
 
 class Overlapper:

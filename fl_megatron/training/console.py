@@ -21,6 +21,8 @@ def progress_line(record: dict, total_steps: int, eta_seconds: float) -> str:
              f"grad {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("synced"):
         sync = f"sync {record['sync_seconds'] * 1e3:.0f} ms var {record['param_variance']:.2e}"
+        if "fragments" in record:
+            sync += f" fragment {','.join(map(str, record['fragments']))}"
         if "graph" in record:
             sync += f" {record['graph']} consensus {record['consensus_distance']:.3e} ({record['consensus_relative']:.2e} rel)"
         parts.append(sync)
@@ -59,4 +61,7 @@ def federation_line(layout: Layout, fed: FederationConfig) -> str:
         full = f", a full average every {fed.global_average_interval} syncs" if fed.global_average_interval else ""
         return (f"  federation: {graph} every {fed.sync_interval} steps{full}, a full average after the last"
                 f"{split}; DBench metrics at every sync")
+    if fed.fragments > 1:
+        return (f"  federation: average 1 of {fed.fragments} fragments every {fed.fragment_interval} steps, in turn "
+                f"(each every {fed.sync_interval} steps), all after the last{split}{outer}")
     return f"  federation: average every {fed.sync_interval} steps and after the last{split}{outer}"

@@ -93,7 +93,8 @@ def dry_run_report(run: ResolvedRun) -> str:
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
                          gathered_once=once)
     graph = fed.densest_graph
-    sync = sync_comm(layout, num_params, master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
+    fragment = -(-num_params // fed.fragments)  # a sync moves one fragment (the largest shown)
+    sync = sync_comm(layout, fragment, master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
                      graph=graph)
     amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg),
                                  master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
@@ -113,7 +114,9 @@ def dry_run_report(run: ResolvedRun) -> str:
         "",
         "  communication per rank (ring formulas, payload on the wire):",
         *_breakdown_lines(f"per optimizer step ({accum} micro-batch{'es' if accum > 1 else ''})", per_step),
-        *_breakdown_lines(f"per federation sync ({graph})" if fed.gossip else "per federation sync",
+        *_breakdown_lines(f"per federation sync ({graph})" if fed.gossip else
+                          f"per federation sync (1 of {fed.fragments} fragments)" if fed.fragments > 1 else
+                          "per federation sync",
                           sync if h else type(sync)()),
         *(_ada_lines(layout, num_params, fed) if h and fed.topology == "ada" else []),
         f"  per optimizer step, sync amortised over H={h}: intra-node {format_bytes(amortised['intra-node'])}, "

@@ -232,6 +232,8 @@ class Trainer:
             record.update(param_variance=sync.variance, param_rms=sync.param_rms)
             if sync.sick_groups:
                 record["sick_groups"] = list(sync.sick_groups)
+            if sync.fragments:
+                record["fragments"] = list(sync.fragments)
             if sync.consensus is not None:
                 c = sync.consensus
                 record.update(graph=sync.graph, consensus_distance=c.distance, consensus_relative=c.relative,
