@@ -83,10 +83,10 @@ class FederationEngine:
         return [OuterOptimizer(views, c.outer_optimizer, c.resolved_outer_lr, c.outer_momentum)
                 for views in self._fragments()]
 
-    def _fragments(self) -> list[list[torch.Tensor]]:
-        """The backend's shards cut into this run's fragments (one: the shards themselves)."""
+    def _fragments(self, shards: Optional[list] = None) -> list[list[torch.Tensor]]:
+        """`shards` (default: the backend's) cut into this run's fragments (one: the shards themselves)."""
         try:
-            return fragment_views(self.backend.local_shards(), self.fragments)
+            return fragment_views(self.backend.local_shards() if shards is None else shards, self.fragments)
         except ValueError as e:
             raise ValueError(f"--fl-fragments {self.fragments}: {e} (this rank's shards are too small)") from None
 
@@ -129,7 +129,7 @@ class FederationEngine:
         fragment = self._due(step)
         averager = self.averagers[fragment]
         average = lambda buffers: averager.average(buffers, include, contributors)  # noqa: E731
-        self.flight = self.overlapper.launch(average, self.outers[fragment], self._fragments()[fragment],
+        self.flight = self.overlapper.launch(average, self.outers[fragment], self._fragments(shards)[fragment],
                                              step=step, due=step + self.config.overlap_steps, include=include,
                                              contributors=contributors, sick=tuple(sick), consensus=consensus,
                                              fragment=fragment)
@@ -146,7 +146,7 @@ class FederationEngine:
         start = time.perf_counter()
         stats = flight.future.result()
         shards = self.backend.local_shards()
-        Overlapper.land(flight, self.outers[flight.fragment], self._fragments()[flight.fragment])
+        Overlapper.land(flight, self.outers[flight.fragment], self._fragments(shards)[flight.fragment])
         self._inner_state(stats, flight.include, flight.contributors, flight.fragment)
         self.backend.refresh_after_sync()
         return self._result(flight.step, start, stats, flight.consensus, Choice("complete"), flight.sick, shards,
@@ -168,7 +168,7 @@ class FederationEngine:
         if choice.graph == "complete":
             moved = tuple(range(self.fragments)) if full or sick else (self._due(step),)
             stats = SyncStats()
-            views = self._fragments()
+            views = self._fragments(shards)
             for fragment in moved:
                 outer = self.outers[fragment] if self.outers else None
                 if outer is not None:
