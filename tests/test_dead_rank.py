@@ -93,3 +93,33 @@ def test_a_dead_rank_on_the_other_backends(tmp_path, backend):
     for r in _survivors(results, 1):
         assert r["exited"] - results[1]["exited"] < TIMEOUT_MIN * 60 + MARGIN_S
     assert "during forward-backward of step 4: rank 1 (this node) is gone" in results[0]["stderr"]
+
+
+def test_a_peer_still_exiting_when_its_connection_drops_is_named(tmp_path):
+    """A killed process closes its sockets before it is a zombie: the rank that saw the
+    connection drop waits a moment for it instead of saying it cannot tell (a race seen in CI)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from fl_megatron.training.failures import PhaseTracker
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])  # exits 0.5 s from now
+    try:
+        tracker = object.__new__(PhaseTracker)  # without the all-gather of pids: this process is rank 0
+        tracker.rank, tracker.phase, tracker.step = 0, "sync", 4
+        tracker.notes = tmp_path / "peer-lost"
+        tracker.peers = [(socket.gethostname(), os.getpid()), (socket.gethostname(), peer.pid)]
+        start = time.monotonic()
+        lost = tracker.explain(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+        assert "during sync of step 4: rank 1 (this node) is gone" in str(lost), lost
+        assert time.monotonic() - start < 2.0
+        assert (tmp_path / "peer-lost" / "rank0.txt").read_text().startswith(f"pid {os.getpid()}\n")
+        # with every peer alive, an error that is no failed collective is not explained nor waited on
+        tracker.peers = tracker.peers[:1]
+        start = time.monotonic()
+        assert tracker.explain(RuntimeError("shape mismatch")) is None and time.monotonic() - start < 0.5
+    finally:
+        peer.wait()

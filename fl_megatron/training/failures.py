@@ -12,6 +12,7 @@ not taken for the dead one.
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,9 @@ from ..federation.failed_collective import is_failed_collective
 
 PEER_LOST_EXIT_CODE = 4
 NOTES_DIR = "peer-lost"  # in the run directory: one note per rank that noticed a failure and left
+# a killed process closes its sockets before it turns into a zombie: how long a rank that saw the
+# connection drop looks for the dead process on its node before saying it cannot tell
+EXIT_GRACE_S = 2.0
 PHASES = ("start-up", "forward-backward", "optimizer-step", "sync", "logging", "checkpoint-write",
           "evaluation", "summary")
 
@@ -91,9 +95,14 @@ class PhaseTracker:
         """`err` as a PeerLost naming the phase, or None when it is not a failed collective."""
         if not isinstance(err, RuntimeError) or isinstance(err, PeerLost):
             return None
+        failed = is_failed_collective(err)
         gone = self.gone_on_this_node()
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while failed and not gone and time.monotonic() < deadline:  # the dead one may still be exiting
+            time.sleep(0.05)
+            gone = self.gone_on_this_node()
         text = " ".join(str(err).split())
-        if not is_failed_collective(err) and not gone:
+        if not failed and not gone:
             return None
         if len(gone) == 1:
             who = f"rank {gone[0]} (this node) is gone"
