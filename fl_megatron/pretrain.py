@@ -72,6 +72,7 @@ def _train(run, env, samples) -> int:
     import torch.distributed as dist
 
     from .checkpoint import CheckpointReadError, CheckpointWriteError
+    from .error_text import one_line
     from .federation.failed_collective import is_failed_collective
     from .federation.health import AllGroupsSick
     from .training.failures import PEER_LOST_EXIT_CODE, PeerLost
@@ -87,7 +88,7 @@ def _train(run, env, samples) -> int:
         if not is_failed_collective(e):
             raise
         print(f"fl_megatron.pretrain: error: rank {env.rank}: a collective failed during start-up "
-              f"({' '.join(str(e).split())[:240]}); restart the job", file=sys.stderr, flush=True)
+              f"({one_line(e)[:240]}); restart the job", file=sys.stderr, flush=True)
         return PEER_LOST_EXIT_CODE
     try:
         trainer.train()  # ends with a barrier: every rank leaves together

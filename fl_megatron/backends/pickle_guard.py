@@ -16,6 +16,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from ..error_text import error_lines
+
 # Globals DCP's metadata pickle may name (torch 2.13): its dataclasses, sizes, dtypes, containers.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner")
@@ -46,12 +48,12 @@ def _names_a_global(err: Exception) -> bool:
 def _reason(err: Exception) -> str:
     """The line of an unpickler's error that names the refused global (torch's message also
     suggests weights_only=False, which is exactly what must not be done with such a file)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = error_lines(err)
     return next((line for line in lines if "GLOBAL" in line or "is not allowed" in line), lines[-1] if lines else "")
 
 
 def _first_line(err: Exception) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = error_lines(err)
     return lines[0][:300] if lines else type(err).__name__
 
 

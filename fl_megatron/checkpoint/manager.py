@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config.resolved import ResolvedRun
+from ..error_text import error_lines, last_line
 from ..faults import fault_point
 from ..file_modes import save_safetensors
 from ..federation.contract import TrainingBackend
@@ -46,8 +47,7 @@ def _write_failure(err: BaseException, root: Path, iteration: int) -> Checkpoint
     or None when it is a failed collective, which stays what it is (see training.failures)."""
     if is_failed_collective(err):
         return None
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    text = lines[-1] if lines else type(err).__name__
+    text = last_line(err)
     tracker = read_tracker(root) if root.is_dir() else None
     kept = f"the checkpoint of iteration {tracker} is untouched and stays the latest" if tracker else \
         "no earlier checkpoint exists there"
@@ -137,8 +137,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # a file damaged inside (the manifest checks sizes only)
             if is_failed_collective(e):
                 raise
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            raise CheckpointReadError(f"could not read the checkpoint {source}: {lines[-1] if lines else e!r}; "
+            cause = last_line(e) if error_lines(e) else repr(e)
+            raise CheckpointReadError(f"could not read the checkpoint {source}: {cause}; "
                                       "it is damaged or was written by another version") from e
         rng = rng_file(path, self.rank)
         if meta["layout"]["world_size"] == self.run.layout.world_size and rng.is_file():

@@ -90,9 +90,15 @@ class Prediction:
     def run_seconds(self, steps: int) -> float:
         """`steps` steps and their syncs (one every H/N steps, and after the last one of every
         fragment, which is blocking)."""
-        syncs, last = self.syncs(steps), self.variant.fragments
-        return steps * self.step_seconds + max(0, syncs - last) * self.exposed_sync_seconds + \
-            (last * self.sync_seconds if syncs else 0.0)
+        return self.span_seconds(steps)
+
+    def span_seconds(self, steps: int, warmup: int = 0) -> float:
+        """Steps `warmup` + 1 to `steps` of a `steps`-step run and the syncs after them: the
+        overlapped ones add what K steps do not cover, the last (of every fragment) all of it."""
+        every, last = self.variant.sync_every, self.variant.fragments
+        syncs = self.syncs(steps) - (warmup // every if every else 0)
+        return (steps - warmup) * self.step_seconds + max(0, syncs - last) * self.exposed_sync_seconds + \
+            (last * self.sync_seconds if syncs > 0 else 0.0)
 
     def syncs(self, steps: int) -> int:
         """Syncs of one fragment each (of the shards without fragments) in `steps` steps: every

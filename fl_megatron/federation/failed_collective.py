@@ -2,6 +2,8 @@
 
 import torch.distributed as dist
 
+from ..error_text import one_line
+
 # Words of gloo's and NCCL's errors for a closed connection or a timeout (they raise plain
 # RuntimeErrors for some of them, DistBackendError for others).
 _WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "timed out", "Timed out", "Broken pipe")
@@ -10,5 +12,5 @@ _WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "timed out", "Time
 def is_failed_collective(err: BaseException) -> bool:
     if isinstance(err, dist.DistError):
         return True
-    text = " ".join(str(err).split())
+    text = one_line(err)
     return isinstance(err, RuntimeError) and any(word in text for word in _WORDS)

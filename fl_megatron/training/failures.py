@@ -18,8 +18,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ..error_text import one_line
 from ..faults import kill_point
 from ..federation.failed_collective import is_failed_collective
+from ..processes import process_alive
 
 PEER_LOST_EXIT_CODE = 4
 NOTES_DIR = "peer-lost"  # in the run directory: one note per rank that noticed a failure and left
@@ -40,23 +42,6 @@ def _note_says(note: Path, pid: int) -> bool:
 
 class PeerLost(RuntimeError):
     """A collective failed: another rank died or stopped answering."""
-
-
-def _alive(pid: int) -> bool:
-    """Whether a local process runs (a zombie, killed but not yet reaped, counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 class PhaseTracker:
@@ -80,7 +65,7 @@ class PhaseTracker:
         """Ranks on this node whose process is gone without leaving a note that they noticed a
         failure and left (as this rank does): the ranks that died."""
         host = socket.gethostname()
-        gone = [r for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank and not _alive(pid)]
+        gone = [r for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank and not process_alive(pid)]
         return [r for r in gone if not _note_says(self._note(r), self.peers[r][1])]
 
     def leave_note(self, message: str) -> None:
@@ -101,7 +86,7 @@ class PhaseTracker:
         while failed and not gone and time.monotonic() < deadline:  # the dead one may still be exiting
             time.sleep(0.05)
             gone = self.gone_on_this_node()
-        text = " ".join(str(err).split())
+        text = one_line(err)
         if not failed and not gone:
             return None
         if len(gone) == 1:

@@ -36,13 +36,7 @@ def predict_row(row, common_flags: list[str], nodes: int, ranks_per_node: int, r
     p = predict(Variant(row.label, run.layout, row.sync_interval, row.replica_split,
                         cfg.federation.overlap_steps, fragments=cfg.federation.fragments), work,
                 emulated_cluster(rate_mbit))
-    span = steps - warmup
-    # syncs inside the span: every H (H/N with fragments) steps after the warm-up, and after the last step
-    every, last = p.variant.sync_every, p.variant.fragments
-    syncs_in_span = p.syncs(steps) - (warmup // every if every else 0)
-    # the last sync (of every fragment) is blocking; overlapped ones add only what K steps do not cover
-    seconds = span * p.step_seconds + max(0, syncs_in_span - last) * p.exposed_sync_seconds + \
-        (last * p.sync_seconds if syncs_in_span else 0.0)
+    span, seconds = steps - warmup, p.span_seconds(steps, warmup)
     return {"step_seconds": seconds / span, "tokens_per_s": span * run.tokens_per_step / seconds,
             "inter_node_bytes": p.run_inter_node_bytes(steps, evaluations),
             "sync_seconds": p.sync_seconds, "compute_seconds": compute_s, "tokens_per_step": run.tokens_per_step}

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+from fl_megatron.processes import process_alive
+
 
 def _children_map() -> dict[int, list[int]]:
     """Parent PID -> child PIDs, from /proc/<pid>/stat."""
@@ -46,14 +48,6 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _killpg(proc: subprocess.Popen, sig: int) -> None:
     """Signal `proc`'s group while `proc` is unreaped (so its PID, the group id, is not reused)."""
     if proc.returncode is None:
@@ -79,13 +73,13 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float = 3.0, extra: list[in
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         done = all(proc.poll() is not None for proc in procs)
-        if done and not any(_alive(p) for p in pids):
+        if done and not any(process_alive(p) for p in pids):
             break
         time.sleep(0.02)
-    pids += [d for p in pids if _alive(p) for d in descendants(p)]
+    pids += [d for p in pids if process_alive(p) for d in descendants(p)]
     for proc in procs:
         _killpg(proc, signal.SIGKILL)
-    _signal([p for p in pids if _alive(p) and p != me], signal.SIGKILL)
+    _signal([p for p in pids if process_alive(p) and p != me], signal.SIGKILL)
     for proc in procs:
         try:
             proc.wait(timeout=5)
