@@ -9,29 +9,60 @@ with its connections open, which the others can only notice by the collective ti
 `FL_MEGATRON_FAULT=nan-shard:GROUP@STEP` (GROUP a number or `all`) makes `nan_requested(GROUP,
 STEP)` true: the trainer then writes a NaN into that group's shards after that step (a sick
 group for the sync to find).
+Stragglers: `delay:GROUP:STEP:SECONDS` makes every rank of that group sleep that long before
+that step; `jitter:MEAN:SEED` makes every group sleep before every step for a random time
+(exponential, mean MEAN seconds, drawn from SEED, the group and the step: the same on all ranks
+of a group). `lockstep` ends every step with a world all-reduce, as the loop did before the
+groups stopped meeting between syncs (the benchmark's "before" row).
+Several faults may be given, separated by commas.
 """
 
 import os
+import random
 import signal
 import sys
 
 FAULT_EXIT_CODE = 86
 
 
+def _faults() -> list[str]:
+    return [f for f in os.environ.get("FL_MEGATRON_FAULT", "").split(",") if f]
+
+
 def fault_point(name: str, value: int) -> None:
-    if os.environ.get("FL_MEGATRON_FAULT") == f"{name}:{value}":
+    if f"{name}:{value}" in _faults():
         print(f"fl-megatron: injected fault {name}:{value}", file=sys.stderr, flush=True)
         os._exit(FAULT_EXIT_CODE)
 
 
 def kill_point(phase: str, step: int, rank: int) -> None:
-    fault = os.environ.get("FL_MEGATRON_FAULT")
+    faults = _faults()
     for name, sig in (("kill", signal.SIGKILL), ("hang", signal.SIGSTOP)):
-        if fault == f"{name}:{phase}:{step}:{rank}":
+        if f"{name}:{phase}:{step}:{rank}" in faults:
             print(f"fl-megatron: injected fault: {sig.name} to rank {rank} during {phase} of step {step}",
                   file=sys.stderr, flush=True)
             os.kill(os.getpid(), sig)
 
 
 def nan_requested(group: int, step: int) -> bool:
-    return os.environ.get("FL_MEGATRON_FAULT") in (f"nan-shard:{group}@{step}", f"nan-shard:all@{step}")
+    faults = _faults()
+    return f"nan-shard:{group}@{step}" in faults or f"nan-shard:all@{step}" in faults
+
+
+def delay_seconds(group: int, step: int) -> float:
+    """How long this group sleeps before optimizer step `step` (1-based): delay and jitter faults."""
+    total = 0.0
+    for fault in _faults():
+        name, _, rest = fault.partition(":")
+        if name == "delay":
+            g, s, seconds = rest.split(":")
+            total += float(seconds) if (int(g), int(s)) == (group, step) else 0.0
+        elif name == "jitter":
+            mean, seed = rest.split(":")
+            total += random.Random(f"{seed}:{group}:{step}").expovariate(1 / float(mean)) if float(mean) > 0 else 0.0
+    return total
+
+
+def lockstep() -> bool:
+    """Whether every step ends with a world all-reduce (the coupled loop, for comparison)."""
+    return "lockstep" in _faults()

@@ -22,6 +22,7 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, flat_elements, wrap_blocks_for_recompute
+from .deepspeed_checks import within_group
 from .pickle_guard import check_deepspeed_dir
 from .optimizer import build_optimizer, parameter_groups, set_learning_rate, state_tensors
 
@@ -257,7 +258,8 @@ class DeepSpeedBackend:
 
     # --- what the trainer needs ------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.engine(input_ids)
+        with within_group(self.shard_group, self.device):
+            return self.engine(input_ids)
 
     def backward(self, loss: torch.Tensor, accumulation: int, last: bool) -> None:
         """Backward of one micro-batch's mean loss (DeepSpeed divides by the accumulation steps
@@ -267,7 +269,8 @@ class DeepSpeedBackend:
         if self.engine.is_gradient_accumulation_boundary() != last:
             raise RuntimeError("DeepSpeed's micro-step counter disagrees with the trainer's "
                                f"({accumulation} micro-batches per step)")
-        self.engine.backward(loss)
+        with within_group(self.shard_group, self.device):
+            self.engine.backward(loss)
         if not last:
             self.engine.step()  # only advances DeepSpeed's micro-step counter
         elif self.replica_group is not None:

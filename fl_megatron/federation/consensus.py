@@ -4,8 +4,9 @@ are apart (the consensus distance), each group's parameter norm, and the same pe
 Consensus distance (Kong et al., 2021): Xi^2 = (1/G) sum_g ||x_g - x_mean||^2 over the whole
 model. Every rank samples the same contiguous blocks of its shards as its peers (exact when its
 shards hold at most `max_samples` elements), all-reduces the sample over the peer group for the
-mean, and one small all-reduce over the job sums deviations, sample counts and exact squared
-norms per tensor and per group. The sample's all-reduce is the only shard data that moves.
+mean, and one small reduction over the job (inside the group, then over the peer group) sums
+deviations, sample counts and exact squared norms per tensor and per group. The sample's
+all-reduce is the only shard data that moves.
 """
 
 import math
@@ -42,12 +43,12 @@ class Consensus:
 
 
 @torch.no_grad()
-def measure(views: list, peer_group, num_groups: int, group: int, counts: bool,
-            device_type: str, max_samples: int = MAX_SAMPLES) -> Consensus:
+def measure(views: list, groups, group: int, counts: bool, max_samples: int = MAX_SAMPLES) -> Consensus:
     """The metrics of `views` ((name, this rank's fp32 shard of it) in the same order on every
-    rank of the job; collective over the job). `counts`: whether this rank's shards count (False
-    on all but one replica of an HSDP shard, which holds the same values). `max_samples` 0:
-    every element."""
+    rank of the job; collective over the peer and federation groups of `groups`, a
+    ProcessGroups). `counts`: whether this rank's shards count (False on all but one replica of
+    an HSDP shard, which holds the same values). `max_samples` 0: every element."""
+    num_groups, device_type = groups.layout.num_groups, groups.mesh.device_type
     flats = [t.reshape(-1) for _, t in views]
     own = sum(f.numel() for f in flats)
     stride = math.ceil(own / max_samples) if 0 < max_samples < own else 1
@@ -56,7 +57,7 @@ def measure(views: list, peer_group, num_groups: int, group: int, counts: bool,
                else f[:CONSENSUS_BLOCK]).double() for f in flats]
     sample = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64)
     mean = sample.clone()
-    dist.all_reduce(mean, group=peer_group)
+    dist.all_reduce(mean, group=groups.peer)
     mean.div_(num_groups)
     t = len(views)
     # per tensor: squared deviations of the sample, sample size, exact squared norm, element count,
@@ -72,7 +73,7 @@ def measure(views: list, peer_group, num_groups: int, group: int, counts: bool,
     sample_bytes = sample.numel() * sample.element_size()  # fp64: deviations are tiny next to the values
 
     totals = table.to(device_type)
-    dist.all_reduce(totals)
+    groups.all_reduce_job(totals)
     totals = totals.cpu()
     dev, cnt, sq, numel = totals[0], totals[1], totals[2], totals[3]
     # each tensor's sampled variance weighted by its size (a stratified estimate: small tensors,

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..config.parallel import FederationConfig
 from ..graph_fit import wire_shards_per_sync
@@ -16,7 +15,7 @@ from .contract import ShardOwner
 from .fragments import due_fragment, fragment_views
 from .graphs import gossip_round
 from .groups import ProcessGroups
-from .health import AllGroupsSick, sick_groups
+from .health import AllGroupsSick, GroupFigures, Vote, take_vote
 from .ledger import CommLedger
 from .outer import OuterOptimizer
 from .overlap import InFlight, Overlapper
@@ -72,6 +71,7 @@ class FederationEngine:
         self.overlapper = Overlapper() if self.active and config.overlap_steps else None
         self.flight: Optional[InFlight] = None
         self.schedule = GraphSchedule(config)
+        self.vote: Optional[Vote] = None  # the last sync's vote (sick groups, group figures, stop requests)
 
     @property
     def outer(self) -> Optional[OuterOptimizer]:
@@ -95,36 +95,47 @@ class FederationEngine:
         """Whether this run averages at all (several groups, syncing enabled)."""
         return self.groups.layout.is_federated and self.config.syncing
 
-    def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None) -> Optional[SyncResult]:
-        """Call after optimizer step `step` (1-based), with this rank's loss of that step; syncs
-        when due and returns what it did."""
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether a sync (or an overlapped sync's launch) follows optimizer step `step`: the
+        only steps at which the groups meet, and vote."""
         interval = self.config.fragment_interval if self.config.syncing else 0
+        return sync_due(step, interval, last, self.groups.layout.is_federated)
+
+    def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None,
+                   figures: Optional[GroupFigures] = None) -> Optional[SyncResult]:
+        """Call after optimizer step `step` (1-based) with the group's figures of that step (or
+        just a `loss`); syncs when due and returns what it did. The vote lands in `self.vote`."""
         landed = None
         if self.flight is not None and (step >= self.flight.due or last):
             landed = self.land()
-        if not sync_due(step, interval, last, self.groups.layout.is_federated):
+        if not self.due(step, last):
             return landed
+        if figures is None:
+            figures = GroupFigures(loss=None if loss is None else float(loss))
         if self.overlapper is not None and not last:
-            return self._launch(step, loss) or landed
-        return self.sync(step, loss, full=last)
+            return self._launch(step, figures) or landed
+        return self.sync(step, figures, full=last)
 
-    def _health(self, step: int, shards: list, loss) -> tuple[list, bool, Optional[int]]:
-        """(sick groups, whether this rank's group contributes, contributors or None if all)."""
+    def _health(self, step: int, shards: list, figures: Optional[GroupFigures]) -> tuple[list, bool, Optional[int]]:
+        """The vote (kept in `self.vote`): (sick groups, whether this rank's group contributes,
+        contributors or None if all)."""
         layout, group = self.groups.layout, self.groups.coords[0]
-        sick = sick_groups(shards, None if loss is None else float(loss), group, layout.num_groups,
-                           self.config.sick_loss_ratio, self.groups.mesh.device_type)
+        self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
+                              self.config.sick_loss_ratio, self.groups.federation, self.groups.peer,
+                              self.groups.mesh.device_type)
+        sick = self.vote.sick
         if len(sick) == layout.num_groups:
             raise AllGroupsSick(f"every federation group is sick at step {step} (non-finite shards or a diverged "
                                 "loss): nothing is left to average; stopping without saving")
         return sick, group not in sick, (layout.num_groups - len(sick) if sick else None)
 
-    def _launch(self, step: int, loss) -> Optional[SyncResult]:
+    def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:
         """Start a sync in the background (--fl-overlap-steps): it lands K steps later. With
         fragments, a sick group is reset at once instead, by a blocking sync of every fragment."""
         shards = self.backend.local_shards()
-        sick, include, contributors = self._health(step, shards, loss)
+        sick, include, contributors = self._health(step, shards, figures)
         if sick and self.fragments > 1:
-            return self.sync(step, loss, full=True)
+            return self.sync(step, figures, full=True, voted=True)
         consensus = self._measure() if self.config.measures_consensus else None
         fragment = self._due(step)
         averager = self.averagers[fragment]
@@ -152,16 +163,24 @@ class FederationEngine:
         return self._result(flight.step, start, stats, flight.consensus, Choice("complete"), flight.sick, shards,
                             self._moved((flight.fragment,)))
 
-    def sync(self, step: int, loss: Optional[torch.Tensor] = None, full: bool = True) -> SyncResult:
-        """Sync now (collective over all ranks): measure the consensus, then average over all
-        groups or, unless `full`, mix along this sync's graph (--fl-topology). Groups whose
-        shards hold NaN/Inf (or whose loss is past --fl-sick-loss-ratio times the best group's)
-        are left out of a full average and reset to the others'; AllGroupsSick if no group is left."""
+    def sync(self, step: int, figures: Optional[GroupFigures] = None, full: bool = True,
+             voted: bool = False) -> SyncResult:
+        """Sync now (collective over all ranks, but only ever inside a federation group or a
+        peer group): vote, measure the consensus, then average over all groups or, unless
+        `full`, mix along this sync's graph (--fl-topology). Groups whose shards hold NaN/Inf
+        (or whose loss is past --fl-sick-loss-ratio times the best group's) are left out of a
+        full average and reset to the others'; AllGroupsSick if no group is left. `voted`: the
+        vote of this step was taken already (a launch that turned into a blocking sync)."""
         if self.flight is not None:
             self.land()
         start = time.perf_counter()
         shards = self.backend.local_shards()
-        sick, include, contributors = self._health(step, shards, loss)
+        if voted:
+            sick = self.vote.sick
+            include = self.groups.coords[0] not in sick
+            contributors = self.groups.layout.num_groups - len(sick) if sick else None
+        else:
+            sick, include, contributors = self._health(step, shards, figures)
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
         moved: tuple = ()
@@ -199,8 +218,7 @@ class FederationEngine:
         views = self.backend.named_shards() if hasattr(self.backend, "named_shards") else \
             [(f"shard.{i}", s) for i, s in enumerate(self.backend.local_shards())]
         group, replica, _ = self.groups.coords
-        return measure(views, self.groups.peer, self.groups.layout.num_groups, group, counts=replica == 0,
-                       device_type=self.groups.mesh.device_type, max_samples=self.config.consensus_samples)
+        return measure(views, self.groups, group, counts=replica == 0, max_samples=self.config.consensus_samples)
 
     def _result(self, step: int, start: float, stats: SyncStats, consensus: Optional[Consensus], choice: Choice,
                 sick: tuple, shards=None, fragments: tuple = ()) -> SyncResult:
@@ -217,7 +235,7 @@ class FederationEngine:
         wire = stats.inter_group_bytes * (ring if choice.graph == "complete" else 1.0) + consensus.sample_bytes * ring
         per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.mesh.device_type)
         per_group[self.groups.coords[0]] = wire
-        dist.all_reduce(per_group)
+        self.groups.all_reduce_job(per_group)
         consensus.group_bytes = [int(b) for b in per_group.tolist()]
         rms = (sum(n * n for n in consensus.group_norms) / groups / max(1.0, consensus.elements)) ** 0.5
         return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
@@ -289,7 +307,7 @@ class FederationEngine:
             sq_mean = float(norms.pow(2).sum()) * stats.samples / max(1, elements)
         totals = torch.tensor([stats.sq_dev_sum, sq_mean, float(stats.samples)],
                               dtype=torch.float64, device=self.groups.mesh.device_type)
-        dist.all_reduce(totals)
+        self.groups.all_reduce_job(totals)
         sq_dev, sq_mean, count = totals.tolist()
         if count == 0:
             return 0.0, 0.0

@@ -41,6 +41,14 @@ class ProcessGroups:
         mine = next(g for g in lists if self.rank in g)
         return "inter-node" if spans_nodes(self.layout, mine) else "intra-node"
 
+    def all_reduce_job(self, tensor, op=dist.ReduceOp.SUM) -> None:
+        """Reduce `tensor` over every rank of the job in place without a world collective: inside
+        the federation group, then across groups over the peer group (one rank of each group).
+        SUM, MAX and MIN give a world all-reduce's result; only at a sync, an evaluation or the end."""
+        dist.all_reduce(tensor, op=op, group=self.federation)
+        if self.layout.is_federated:
+            dist.all_reduce(tensor, op=op, group=self.peer)
+
 
 def build_process_groups(layout: Layout, device_type: str) -> ProcessGroups:
     """Create every group on every rank (collective: all ranks call it in the same order).

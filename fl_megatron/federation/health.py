@@ -1,6 +1,14 @@
-"""Which federation groups are sick at a sync: decided together, before any data moves."""
+"""The vote at a sync, before any data moves: which federation groups are sick, every group's
+figures of the step (loss, gradient norm) and whether any rank asked to stop.
+
+Two tiny all-reduces (MAX): inside the federation group (its ranks' flags), then over the peer
+group (one rank of every group), so every rank of the job ends with the same vote and no
+collective spans the job. Each group fills its own slots of the peer vector; the others hold
+-inf, so MAX gathers the groups' figures.
+"""
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -11,22 +19,68 @@ class AllGroupsSick(RuntimeError):
     """Every group is sick: there is nothing to average (the run stops; no checkpoint is written)."""
 
 
-def sick_groups(shards: list[torch.Tensor], loss: Optional[float], group: int, num_groups: int,
-                loss_ratio: float, device_type: str) -> list[int]:
-    """Groups with a non-finite value in any rank's shards, or (with `loss_ratio` > 0) whose
-    largest rank loss exceeds `loss_ratio` times the best group's. Collective over all ranks:
-    one all-reduce (MAX) of 2 x F numbers."""
-    flags = torch.zeros(2 * num_groups, dtype=torch.float64, device=device_type)
-    if shards:  # one device-side reduction, read once with the all-reduced flags
-        flags[group] = (~torch.stack([torch.isfinite(s).all() for s in shards]).all()).to(flags.dtype)
-    if loss is not None:
-        flags[num_groups + group] = loss if math.isfinite(loss) else math.inf
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad, losses = flags[:num_groups].tolist(), flags[num_groups:].tolist()
-    sick = {g for g in range(num_groups) if bad[g] > 0 or math.isinf(losses[g]) or math.isnan(losses[g])}
-    if loss is not None and loss_ratio > 0:
-        finite = [v for g, v in enumerate(losses) if g not in sick]
+@dataclass
+class GroupFigures:
+    """What this rank brings to a vote: its group's step figures (the same on every rank of the
+    group: the trainer reduces them inside the group first) and its own stop requests."""
+
+    loss: Optional[float] = None        # the group's mean loss of the step
+    grad_norm: Optional[float] = None   # the group's gradient norm of the step
+    signalled: bool = False             # this rank received SIGTERM (--exit-signal-handler)
+    timed_out: bool = False             # this rank is past --exit-duration-in-mins
+
+
+@dataclass
+class Vote:
+    """The outcome, identical on every rank."""
+
+    step: int
+    sick: list = field(default_factory=list)    # groups left out of this average
+    losses: list = field(default_factory=list)  # per group (None where no loss was given)
+    grad_norms: list = field(default_factory=list)
+    signalled: bool = False   # some rank received SIGTERM
+    timed_out: bool = False   # some rank is past its time limit
+
+
+def any_nonfinite(shards: list[torch.Tensor]) -> bool:
+    """Whether any shard holds a NaN or an infinity. One fused norm over all shards (a
+    non-finite value makes its norm non-finite); only when a norm is not finite (or overflowed,
+    which needs values near 1e19) the exact elementwise check runs."""
+    if not shards:
+        return False
+    norms = torch._foreach_norm(shards)
+    if bool(torch.isfinite(torch.stack(norms)).all()):
+        return False
+    return not bool(torch.stack([torch.isfinite(s).all() for s in shards]).all())
+
+
+def _slot(value: Optional[float]) -> float:
+    """A figure as sent: -inf when absent (MAX takes the others'), +inf when not finite."""
+    if value is None:
+        return -math.inf
+    return value if math.isfinite(value) else math.inf
+
+
+def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, group: int, num_groups: int,
+              loss_ratio: float, federation_group, peer_group, device_type: str) -> Vote:
+    """The vote of sync `step`. Sick: a non-finite value in any shard of the group, a non-finite
+    loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's."""
+    mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
+                         float(figures.signalled), float(figures.timed_out)], dtype=torch.float64, device=device_type)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
+    table = torch.full((3 * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
+    table[[group, num_groups + group, 2 * num_groups + group]] = mine[:3]
+    table[3 * num_groups:] = mine[3:]
+    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=peer_group)
+    values = table.tolist()
+    bad, losses, norms = (values[k * num_groups:(k + 1) * num_groups] for k in range(3))
+    sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
+    known = {g: v for g, v in enumerate(losses) if v != -math.inf}
+    if loss_ratio > 0:
+        finite = [v for g, v in known.items() if g not in sick]
         if finite:
             best = min(finite)
-            sick |= {g for g, v in enumerate(losses) if g not in sick and v > loss_ratio * best}
-    return sorted(sick)
+            sick |= {g for g, v in known.items() if g not in sick and v > loss_ratio * best}
+    shown = lambda v: None if v == -math.inf else v  # noqa: E731
+    return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
+                values[-2] > 0, values[-1] > 0)

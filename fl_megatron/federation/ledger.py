@@ -7,8 +7,10 @@ ring formulas.) Scalars for logging and metrics are not counted.
 """
 
 from collections import Counter
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SCOPES = ("intra-group", "inter-group")
@@ -58,17 +60,37 @@ _PAYLOAD_ARG = {
 _NAMESPACES = ("c10d", "_c10d_functional")
 
 
+def collective_ranks(args) -> Optional[tuple]:
+    """The global ranks of the process group a c10d operator's arguments name (a boxed
+    ProcessGroup, or a functional collective's group name), or None if none is found."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for arg in args:
+        try:
+            if isinstance(arg, torch.ScriptObject):
+                return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg)))
+            if isinstance(arg, str):
+                return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
+        except (RuntimeError, ValueError, KeyError):
+            continue  # another boxed object (a ReduceOp) or a string that names no group (a reduce op)
+    return None
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts the c10d collectives issued while active: calls and payload bytes per operator.
+    `on_collective(name, ranks)`, if given, also hears of each one with the global ranks of its
+    process group (tests that check which ranks meet).
 
     Every op of the step passes through Python while it is active, so use it to measure a
-    step once (calibration) or in tests, not on every step.
+    step once (calibration) or in tests, not on every step. Only the thread that entered it is
+    seen (dispatch modes are per thread).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_collective: Optional[Callable[[str, Optional[tuple]], None]] = None) -> None:
         super().__init__()
         self.calls: Counter = Counter()
         self.payload: Counter = Counter()
+        self.on_collective = on_collective
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(func, "namespace", "") in _NAMESPACES:
@@ -77,6 +99,8 @@ class CollectiveCounter(TorchDispatchMode):
             index = _PAYLOAD_ARG.get(name)
             if index is not None and index < len(args):
                 self.payload[name] += _tensor_bytes(args[index])
+            if self.on_collective is not None and name != "wait_tensor":
+                self.on_collective(name, collective_ranks(args))
         return func(*args, **(kwargs or {}))
 
     @property

@@ -1,11 +1,18 @@
 """When a run stops before its last step: --exit-interval, --exit-duration-in-mins and SIGTERM
-(--exit-signal-handler). Every rank must agree, so time and signals are combined across ranks."""
+(--exit-signal-handler). Every rank must stop after the same step without a collective of its
+own between syncs: --exit-interval is a step count; a signal and the time limit are each rank's
+local requests, agreed where the ranks meet anyway (see docs/failures.md, "Stopping"):
+- federated runs: in the vote of the next sync (the stop follows that sync, at most one sync
+  interval after the signal);
+- a single group: in the step's reduction of loss and gradient norm inside the group (the
+  group is the job), after every step;
+- independent groups (averaging disabled): they never meet, so a small all-reduce over the job
+  after every step, only while a signal or a time limit is watched.
+"""
 
 import signal
 import time
-
-import torch
-import torch.distributed as dist
+from typing import Optional
 
 from ..config.checkpoint import CheckpointConfig
 
@@ -26,27 +33,31 @@ class SignalFlag:
 
 
 class StopPolicy:
-    """Decides after each step whether to save and exit, identically on every rank."""
+    """Decides after each step whether to save and exit, from requests agreed by the caller."""
 
-    def __init__(self, options: CheckpointConfig, device: torch.device) -> None:
-        self.options, self.device = options, device
+    def __init__(self, options: CheckpointConfig) -> None:
+        self.options = options
         self.started = time.monotonic()
         self.flag = SignalFlag() if options.exit_signal_handler else None
 
-    def reason(self, step: int) -> str | None:
-        """Why to stop after optimizer step `step` (1-based), or None. Collective when a signal
-        or a duration is watched (one tiny all-reduce per step)."""
+    @property
+    def watching(self) -> bool:
+        """Whether a signal or a time limit is watched (requests that need agreeing)."""
+        return self.flag is not None or self.options.exit_duration_in_mins is not None
+
+    def requests(self) -> tuple[bool, bool]:
+        """This rank's own (SIGTERM received, past --exit-duration-in-mins)."""
+        limit = self.options.exit_duration_in_mins
+        minutes = (time.monotonic() - self.started) / 60
+        return (self.flag is not None and self.flag.received, limit is not None and minutes >= limit)
+
+    def reason(self, step: int, agreed: Optional[tuple[bool, bool]] = None) -> Optional[str]:
+        """Why to stop after optimizer step `step` (1-based), or None. `agreed`: the requests
+        of every rank combined (any rank), or None where no agreement was made after this step."""
         o = self.options
         if o.exit_interval and step % o.exit_interval == 0:
             return f"--exit-interval {o.exit_interval}"
-        if self.flag is None and o.exit_duration_in_mins is None:
-            return None
-        minutes = (time.monotonic() - self.started) / 60
-        local = [float(self.flag is not None and self.flag.received),
-                 float(o.exit_duration_in_mins is not None and minutes >= o.exit_duration_in_mins)]
-        agreed = torch.tensor(local, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        signalled, timed_out = agreed.tolist()
+        signalled, timed_out = agreed or (False, False)
         if signalled:
             return "SIGTERM"
         if timed_out:

@@ -3,7 +3,7 @@
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,9 @@ from ..checkpoint import Checkpointer, initial_values_for
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
 from ..data import eval_batches
-from ..faults import nan_requested
+from ..faults import delay_seconds, lockstep, nan_requested
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
+from ..federation.health import GroupFigures
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
 from .failures import PhaseTracker
@@ -23,6 +24,7 @@ from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
 from .run_data import next_token_loss, open_run_data
 from .run_files import RunFiles
+from .step_records import Interval, step_record, vote_figures
 from .stopping import StopPolicy
 
 
@@ -33,6 +35,16 @@ class _Calibrated:
     by_tier: Optional[dict] = None
 
 
+class StepOutcome(NamedTuple):
+    """One optimizer step as this rank saw it."""
+
+    loss: torch.Tensor              # this rank's loss
+    grad_norm: torch.Tensor
+    lr: float
+    sync: Optional[SyncResult]      # the sync that ran or landed after it
+    figures: Optional[GroupFigures]  # the group's figures (reduced inside the group), when logged or voted
+
+
 class Trainer:
     """One rank's training run. Construct after the config was validated for this world."""
 
@@ -41,6 +53,7 @@ class Trainer:
         cfg = run.cfg
         self.run, self.cfg, self.env, self.layout = run, cfg, env, run.layout
         self.is_writer = env.rank == 0
+        self.federated = run.layout.is_federated
         t = cfg.training
         self.accum = run.accumulation
         init_distributed(env, cfg.parallel.distributed_timeout_minutes)
@@ -52,6 +65,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data(samples)
         self.groups = build_process_groups(self.layout, self.device.type)
+        self.group = self.groups.coords[0]
+        # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
+        self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)
         initial = initial_values_for(run, say if self.is_writer else None)
         self.backend = make_backend(run, self.groups, self.device, initial)
         self.ledger = CommLedger()
@@ -59,6 +75,9 @@ class Trainer:
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
         self.start_step = self.checkpointer.resume(lambda text: say(text, self.is_writer))
         self.files.open_metrics(self.start_step)
+        if self.group_writer:
+            self.files.open_group_metrics(self.group)
+        self._stop: Optional[StopPolicy] = None  # while train() runs
         self.records = RunRecords(self.files, Dashboards(t, cfg.to_dict(), self.is_writer))
         self._started = time.perf_counter()  # reset when training starts; elapsed_s counts from it
         self._step_traffic = _Calibrated()
@@ -106,22 +125,67 @@ class Trainer:
         norm, lr = self.backend.optimizer_step(lr)
         return total / self.accum, norm, lr
 
-    def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, Optional[SyncResult]]:
-        """Optimizer step `step` (0-based) and the sync after it when due.
-
-        Returns (loss, grad norm, learning rate, sync result or None)."""
-        lr = learning_rate(step, self.cfg.training)
+    def step(self, step: int) -> StepOutcome:
+        """Optimizer step `step` (0-based) and the sync after it when due. Between syncs every
+        collective stays inside the federation group: the group's figures are reduced there (on
+        logged steps, sync steps and, for a single group watching for a stop, every step), and
+        the groups only meet in the sync's vote."""
+        t = self.cfg.training
+        done, last = step + 1, step + 1 == t.train_iters
+        pause = delay_seconds(self.group, done)  # a straggler, for tests and benchmarks (FL_MEGATRON_FAULT)
+        if pause:
+            time.sleep(pause)
+        lr = learning_rate(step, t)
         loss, norm, lr = self._measured(self._step_traffic, lambda: self._train_step(step, lr))
-        done = step + 1
-        if nan_requested(self.groups.coords[0], done):  # a sick group, for tests (FL_MEGATRON_FAULT)
+        if nan_requested(self.group, done):  # a sick group, for tests (FL_MEGATRON_FAULT)
             with torch.no_grad():
                 self.backend.local_shards()[0].view(-1)[0] = math.nan
+        voting = self.engine.due(done, last)
+        figures = None
+        if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
+            figures = self._group_figures(done, loss, norm)
         self.phases.enter("sync", done)
-        sync = self.engine.after_step(done, last=done == self.cfg.training.train_iters, loss=loss)
+        sync = self.engine.after_step(done, last=last, loss=loss, figures=figures)
+        if lockstep():  # the coupled loop, for the benchmark's "before" row
+            dist.all_reduce(torch.zeros(2, device=self.device))
         if sync is not None and sync.sick_groups:
             say(f"  step {done}: federation group(s) {', '.join(map(str, sync.sick_groups))} left out of the "
                 "average (non-finite shards or a diverged loss) and reset to the others' average", self.is_writer)
-        return loss, norm, lr, sync
+        return StepOutcome(loss, norm, lr, sync, figures)
+
+    def _group_figures(self, done: int, loss: torch.Tensor, norm: torch.Tensor) -> GroupFigures:
+        """The group's mean loss and gradient norm of this step, and whether any of its ranks
+        asked to stop: one all-reduce of four numbers inside the federation group."""
+        self.phases.enter("logging", done)
+        requests = self._stop.requests() if self._stop is not None and self._stop.watching else (False, False)
+        stats = torch.stack([loss.detach().float().reshape(()), torch.as_tensor(norm, dtype=torch.float32,
+                                                                                  device=self.device).reshape(()),
+                             *torch.tensor(requests, dtype=torch.float32, device=self.device)])
+        dist.all_reduce(stats, group=self.groups.federation)
+        total_loss, total_norm, signalled, timed_out = stats.tolist()
+        size = self.layout.group_size
+        return GroupFigures(total_loss / size, total_norm / size, signalled > 0, timed_out > 0)
+
+    def _agrees_in_group(self) -> bool:
+        """Whether stop requests are agreed inside the group after every step: a single group
+        (it is the job) watching for a signal or a time limit."""
+        return not self.federated and self._stop is not None and self._stop.watching
+
+    def _agreed_stop(self, done: int, figures: Optional[GroupFigures]) -> Optional[tuple[bool, bool]]:
+        """Every rank's stop requests combined after step `done`, where this step agreed them."""
+        stop = self._stop
+        if not stop.watching:
+            return None
+        if not self.federated:
+            return (figures.signalled, figures.timed_out)
+        if self.engine.active:  # at the vote of a sync, if this step had one
+            vote = self.engine.vote
+            return (vote.signalled, vote.timed_out) if vote is not None and vote.step == done else None
+        # independent groups (averaging disabled) never meet: a small all-reduce over the job
+        flags = torch.tensor(stop.requests(), dtype=torch.float32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, timed_out = flags.tolist()
+        return (signalled > 0, timed_out > 0)
 
     def _measured(self, calibrated: _Calibrated, work):
         """Run `work`; the first time under a collective counter, to learn its payload bytes."""
@@ -158,7 +222,7 @@ class Trainer:
             return torch.stack([self._loss(b) for b in batches]).mean()
 
         loss = self._measured(self._eval_traffic, work).reshape(1)
-        dist.all_reduce(loss)
+        self.groups.all_reduce_job(loss)  # an evaluation is a meeting of the groups
         return float(loss) / self.env.world_size
 
     # --- the loop -------------------------------------------------------------------------
@@ -166,33 +230,34 @@ class Trainer:
         """Train from `start_step` (0, or the resumed checkpoint's step) to --train-iters, or until
         a stop condition; save on --save-interval, at the end and before stopping early. A failed
         collective (a peer died or hung) becomes a PeerLost naming this rank's phase."""
-        stop = StopPolicy(self.cfg.checkpoint, self.device)
+        self._stop = StopPolicy(self.cfg.checkpoint)
         try:
-            return self._train(stop)
+            return self._train(self._stop)
         except RuntimeError as e:
             lost = self.phases.explain(e)
             if lost is None:
                 raise
             raise lost from e
         finally:
-            stop.close()
+            self._stop.close()
+            self._stop = None
 
     def _train(self, stop: StopPolicy) -> dict:
         t, options = self.cfg.training, self.cfg.checkpoint
         start = self._started = time.perf_counter()
-        interval_start, interval_steps = start, 0
-        last_loss, stopped, done = math.nan, None, self.start_step
+        intervals = (Interval(start), Interval(start))  # since the last group record, federation record
+        stopped, done, loss = None, self.start_step, None
         evals: list[dict] = []
         for step in range(self.start_step, t.train_iters):
             done = step + 1
-            loss, norm, lr, sync = self.step(step)
-            interval_steps += 1
-            stopped = stop.reason(done) if done < t.train_iters else None
-            if done % t.log_interval == 0 or done == t.train_iters or sync is not None or stopped:
-                now = time.perf_counter()
-                eta = (now - start) / (done - self.start_step) * (t.train_iters - done)
-                last_loss = self._log_step(done, loss, norm, lr, sync, now - interval_start, interval_steps, eta)
-                interval_start, interval_steps = now, 0
+            outcome = self.step(step)
+            loss = outcome.loss
+            for interval in intervals:
+                interval.steps += 1
+            stopped = stop.reason(done, self._agreed_stop(done, outcome.figures)) if done < t.train_iters else None
+            if outcome.figures is not None or outcome.sync is not None:
+                eta = (time.perf_counter() - start) / (done - self.start_step) * (t.train_iters - done)
+                self._log_step(done, outcome, intervals, eta)
             if options.saving and (done == t.train_iters or stopped or
                                    (options.save_interval and done % options.save_interval == 0)):
                 self.phases.enter("checkpoint-write", done)
@@ -206,42 +271,53 @@ class Trainer:
         wall = time.perf_counter() - start
         final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
         self.phases.enter("summary", done)
-        summary = self._summary(last_loss, final_eval, evals, wall, done, stopped)
+        summary = self._summary(loss, final_eval, evals, wall, done, stopped)
         # Leave together: a rank tearing down gloo while a peer is still in its last
         # collectives can abort the peer at exit.
         dist.barrier()
         return summary
 
-    def _log_step(self, done: int, loss, norm, lr: float, sync: Optional[SyncResult], seconds: float,
-                  steps: int, eta: float) -> float:
-        """Record and print one step (averaged over ranks); returns the mean loss."""
+    def _log_step(self, done: int, outcome: StepOutcome, intervals: tuple, eta: float) -> None:
+        """Record and print one step: the group's record (each group's first rank) and, at a
+        vote or with a single group, the federation's (rank 0). See docs/metrics.md."""
         self.phases.enter("logging", done)
-        tokens_per_step = self.run.tokens_per_step
-        stats = torch.stack([loss.float(), norm.float()]).detach()
-        dist.all_reduce(stats)
-        stats = (stats / self.env.world_size).tolist()
-        record = {
-            "step": done, "tokens": done * tokens_per_step, "elapsed_s": time.perf_counter() - self._started,
-            "loss": stats[0], "lr": lr, "grad_norm": stats[1],
-            "tokens_per_s": steps * tokens_per_step / max(seconds, 1e-9),
-            "synced": sync is not None,
-            "sync_seconds": sync.seconds if sync else 0.0,
-            **self.ledger.snapshot(),
-        }
-        if sync is not None:
-            record.update(param_variance=sync.variance, param_rms=sync.param_rms)
-            if sync.sick_groups:
-                record["sick_groups"] = list(sync.sick_groups)
-            if sync.fragments:
-                record["fragments"] = list(sync.fragments)
-            if sync.consensus is not None:
-                c = sync.consensus
-                record.update(graph=sync.graph, consensus_distance=c.distance, consensus_relative=c.relative,
-                              group_norms=c.group_norms, group_bytes=c.group_bytes)
-                self.files.log_detail({"step": done, "graph": sync.graph, "tensors": c.tensors})
+        now, t, sync, figures = time.perf_counter(), self.cfg.training, outcome.sync, outcome.figures
+        elapsed, per_step = now - self._started, self.run.tokens_per_step
+        vote = self.engine.vote if self.engine.vote is not None and self.engine.vote.step == done else None
+        if figures is not None and (self.group_writer or not self.federated):
+            steps, seconds = intervals[0].take(now)
+            group_tokens = per_step // self.layout.num_groups
+            record = step_record(done, per_step, elapsed, figures.loss, figures.grad_norm, outcome.lr,
+                                 steps * group_tokens / max(seconds, 1e-9), sync, self.ledger.snapshot())
+            if self.federated:
+                self.files.log_group({"group": self.group, **record})
+                if self.is_writer and vote is None:
+                    say(f"  group {self.group} " + progress_line(record, t.train_iters, eta))
+            else:
+                self._log_federation(record, sync, eta)
+        if self.is_writer and self.federated and (vote is not None or sync is not None):
+            steps, seconds = intervals[1].take(now)
+            if vote is not None:
+                loss, norm, groups = vote_figures(vote)
+            else:  # an overlapped sync landing: its figures were recorded at its launch
+                loss, norm, groups = None, None, {}
+            record = step_record(done, per_step, elapsed, loss, norm, outcome.lr,
+                                 steps * per_step / max(seconds, 1e-9), sync, self.ledger.snapshot())
+            self._log_federation({k: v for k, v in {**record, **groups}.items() if v is not None}, sync, eta)
+
+    def _log_federation(self, record: dict, sync: Optional[SyncResult], eta: float) -> None:
+        """A federation record: metrics.jsonl, the dashboards, the console (rank 0)."""
+        if not self.is_writer:
+            return
         self.records.log(record)
-        say(progress_line(record, self.cfg.training.train_iters, eta), self.is_writer)
-        return stats[0]
+        if sync is not None and sync.consensus is not None:
+            self.files.log_detail({"step": record["step"], "graph": sync.graph, "tensors": sync.consensus.tensors})
+        if "loss" in record:
+            line = progress_line(record, self.cfg.training.train_iters, eta)
+            losses = [v for v in record.get("group_losses", []) if v is not None]
+            if losses:
+                line += f" | groups {min(losses):.4f}-{max(losses):.4f}"
+            say(line)
 
     def _eval_record(self, step: int) -> dict:
         self.phases.enter("evaluation", step)
@@ -252,12 +328,16 @@ class Trainer:
         say(f"  eval at step {step}: loss {loss:.4f}, perplexity {record['eval_perplexity']:.2f}", self.is_writer)
         return record
 
-    def _summary(self, last_loss: float, final_eval: Optional[dict], evals: list, wall: float,
+    def _summary(self, last_loss: Optional[torch.Tensor], final_eval: Optional[dict], evals: list, wall: float,
                  done: int, stopped: Optional[str]) -> dict:
+        """summary.json (rank 0) from one all-reduce and one all-gather over the job: the end of
+        the run may use the whole world. `last_loss`: this rank's loss of the last step."""
         snapshot = self.ledger.snapshot()
         keys = sorted(snapshot)
-        totals = torch.tensor([float(snapshot[k]) for k in keys], dtype=torch.float64, device=self.device)
+        totals = torch.tensor([float(snapshot[k]) for k in keys] + [math.nan if last_loss is None else float(last_loss)],
+                              dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
+        last_loss = float(totals[-1]) / self.env.world_size  # the last step's loss over all ranks
         peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
         peaks = [torch.zeros_like(peak) for _ in range(self.env.world_size)]
         dist.all_gather(peaks, peak)

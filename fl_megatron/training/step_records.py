@@ -1,0 +1,55 @@
+"""The records a run logs per step: each group's own (reduced inside the group, every logged step)
+and the federation's (over all groups, at each sync from its vote, or every logged step when the
+run has a single group). docs/metrics.md lists the fields."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..federation import SyncResult
+from ..federation.health import Vote
+
+
+@dataclass
+class Interval:
+    """Steps and seconds since a record was last written, on one clock."""
+
+    start: float
+    steps: int = 0
+
+    def take(self, now: float) -> tuple[int, float]:
+        """(steps, seconds) of the interval ending now; the next one starts now."""
+        taken = (self.steps, now - self.start)
+        self.start, self.steps = now, 0
+        return taken
+
+
+def step_record(step: int, tokens_per_step: int, elapsed: float, loss: float, grad_norm: float, lr: float,
+                tokens_per_s: float, sync: Optional[SyncResult], bytes_so_far: dict) -> dict:
+    """The fields every step record has, and the sync's when this step synced."""
+    record = {
+        "step": step, "tokens": step * tokens_per_step, "elapsed_s": elapsed,
+        "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+        "synced": sync is not None, "sync_seconds": sync.seconds if sync else 0.0,
+        **bytes_so_far,
+    }
+    if sync is not None:
+        record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+        if sync.sick_groups:
+            record["sick_groups"] = list(sync.sick_groups)
+        if sync.fragments:
+            record["fragments"] = list(sync.fragments)
+        if sync.consensus is not None:
+            c = sync.consensus
+            record.update(graph=sync.graph, consensus_distance=c.distance, consensus_relative=c.relative,
+                          group_norms=c.group_norms, group_bytes=c.group_bytes)
+    return record
+
+
+def vote_figures(vote: Vote) -> tuple[float, float, dict]:
+    """(mean loss, mean gradient norm, the per-group fields) of the groups that reported."""
+    losses = [v for v in vote.losses if v is not None]
+    norms = [v for v in vote.grad_norms if v is not None]
+    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+    fields = {"group_losses": vote.losses, "group_grad_norms": vote.grad_norms,
+              "loss_spread": (max(losses) - min(losses)) if losses else float("nan")}
+    return mean(losses), mean(norms), fields
