@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fl_megatron.training.run_files import logged_steps
+
 TINY = ["--model", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "512",
         "--tokenizer-vocab-size", "512", "--seq-length", "32", "--micro-batch-size", "2",
@@ -42,7 +44,12 @@ def launch(nproc: int, run_dir: Path, cache: Path, *flags: str, launcher: str = 
 
 
 def step_records(run_dir: Path) -> list[dict]:
-    """The training-step records of metrics.jsonl."""
+    """One record per logged step over all groups (a federated run's merged from its groups' files)."""
+    return logged_steps(run_dir)
+
+
+def federation_records(run_dir: Path) -> list[dict]:
+    """The step records of metrics.jsonl (a federated run's: one per sync)."""
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r]
 

@@ -123,6 +123,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path):
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     stopped = int((ckpt / TRACKER).read_text())
     assert 2 <= stopped < 200 and "stopping after step" in out and "SIGTERM" in out
+    assert stopped % 4 == 0, stopped  # agreed at a sync's vote: the run stops right after that sync
     # resume to step stopped + 5; the uninterrupted reference stops there too (same schedule)
     end = str(stopped + 5)
     run_pretrain(4, tmp_path / "run", cache, *flags, "--save", str(ckpt), "--load", str(ckpt), "--exit-interval", end)

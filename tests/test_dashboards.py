@@ -47,6 +47,9 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in evals] == [3, 6]
+    # the dashboards get metrics.jsonl's records: in this federated run, the federation's, at each sync
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [2, 4, 6]
     # elapsed_s: wall-clock seconds since training started, in file order
     elapsed = [r["elapsed_s"] for r in records]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0

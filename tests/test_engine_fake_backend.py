@@ -7,6 +7,7 @@ engine is active): the average of a shard over its peers is then the shard itsel
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from fl_megatron.config import FederationConfig
 from fl_megatron.federation import FederationEngine
@@ -30,8 +31,9 @@ class FakeBackend:
 
 def _groups(world):
     layout = make_layout(2, ranks_per_node=1, group_size=1)  # 2 groups of 1 rank, on 2 nodes
-    return SimpleNamespace(layout=layout, coords=(0, 0, 0), peer=world, replica=None,
-                           tier=lambda kind: "inter-node", mesh=SimpleNamespace(device_type="cpu"))
+    return SimpleNamespace(layout=layout, coords=(0, 0, 0), peer=world, replica=None, federation=world,
+                           tier=lambda kind: "inter-node", mesh=SimpleNamespace(device_type="cpu"),
+                           all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
 
 
 def test_engine_syncs_every_h_steps_and_at_the_end_in_place_then_refreshes(world):

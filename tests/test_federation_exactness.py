@@ -44,7 +44,8 @@ def _fsdp_job(rank, world, tmp, cache):
     for bf16 in (False, True):
         t = make_trainer(tiny_config(f"{tmp}/bf16{bf16}", cache, group_size=2, sync_interval=1,
                                      optimizer="adamw", lr=1e-3, bf16=bf16))
-        loss, _, _, sync = t.step(0)
+        outcome = t.step(0)
+        loss, sync = outcome.loss, outcome.sync
         losses[bf16] = float(loss)
         if bf16:
             out["bf16_master_dtypes"] = {str(s.dtype) for s in t.backend.local_shards()}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.federation.compression import BLOCK, compressed_mean_, dequantize, quantize
-from fl_megatron.federation.health import AllGroupsSick
+from fl_megatron.federation.health import AllGroupsSick, GroupFigures
 from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import make_trainer, max_diff, tiny_config, train_and_gather
 
@@ -149,7 +149,7 @@ def _sick_job(rank, world, tmp, cache):
     dist.all_gather_object(everyone, mine)
     out["sick_has_nan"] = any(bool(torch.isnan(v).any()) for v in everyone[3].values())
     expected = {k: sum(everyone[g][k] for g in range(3)) / 3 for k in mine}
-    result = trainer.engine.sync(3, loss)
+    result = trainer.engine.sync(3, GroupFigures(loss=float(loss)))
     out["sick_groups"] = list(result.sick_groups)
     out["vs_healthy_mean"] = max_diff(trainer.backend.full_state_dict(), expected)
     trainer.step(3)

@@ -50,11 +50,16 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200, help="seconds per row")
     p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     p.add_argument("--config", default=str(REPO / "examples" / "demo.json"), help="model and training config")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="every group of an fl-megatron row stalls before every step for a random time of this "
+                        "mean (exponential, seeded: FL_MEGATRON_FAULT=jitter), as slow nodes and pauses do")
+    p.add_argument("--jitter-seed", type=int, default=1)
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then pretrain flags for every row")
     args = p.parse_args(argv)
     args.warmup = args.sync_interval if args.warmup is None else args.warmup
     problems = [f"--{k.replace('_', '-')} must be at least {low}" for k, low in
-                (("nodes", 1), ("ranks_per_node", 1), ("steps", 2), ("sync_interval", 1), ("repeats", 1)) if getattr(args, k) < low]
+                (("nodes", 1), ("ranks_per_node", 1), ("steps", 2), ("sync_interval", 1), ("repeats", 1),
+                 ("jitter_ms", 0)) if getattr(args, k) < low]
     if not 0 <= args.warmup < args.steps or args.warmup % args.sync_interval:
         problems.append(f"--warmup {args.warmup} must be a multiple of H={args.sync_interval} (rows log every H "
                         f"steps) below --steps {args.steps}")
@@ -64,20 +69,25 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def common_flags(args, steps: int | None = None) -> list[str]:
-    """Flags of every row. Rows log every H steps: a logged step all-reduces its loss over all ranks,
-    which would tie the groups together every step; the torchft peer reduces nothing inside its loop."""
+    """Flags of every row. Rows log every H steps unless the extra flags say otherwise (a logged
+    step reduces its loss inside each group only; the torchft peer reduces nothing in its loop)."""
     return ["--config", args.config, "--train-iters", str(steps or args.steps), "--lr-warmup-iters", "2",
             "--eval-interval", "0", "--eval-iters", "2", "--log-interval", str(args.sync_interval),
             *[a for a in args.extra if a != "--"]]
 
 
-def run_row(cluster, args, row: Row, run_dir: Path, steps: int) -> list | None:
-    """Train one row in the cluster; returns the per-node counter deltas (None on loopback)."""
+def run_row(cluster, args, row: Row, run_dir: Path, steps: int, jitter_ms: float | None = None) -> list | None:
+    """Train one row in the cluster (with --jitter-ms unless `jitter_ms` is given); returns the
+    per-node counter deltas (None on loopback)."""
+    jitter_ms = args.jitter_ms if jitter_ms is None else jitter_ms
     flags = [*common_flags(args, steps), *row.flags(), "--ranks-per-node", str(args.ranks_per_node),
              "--run-dir", str(run_dir)]
     if not row.is_peer:
+        faults = [f for f in (row.fault, f"jitter:{jitter_ms / 1000:g}:{args.jitter_seed}" if jitter_ms
+                              else "") if f]
+        env = dict(os.environ, FL_MEGATRON_FAULT=",".join(faults)) if faults else None
         result = run_job(cluster, args.ranks_per_node, ["-m", "fl_megatron.pretrain", *flags], args.timeout,
-                         log_dir=str(run_dir / "logs"))
+                         env=env, log_dir=str(run_dir / "logs"))
         if not result.ok:
             raise RuntimeError(f"{row.label} failed (exit codes {result.returncodes}, timed out: {result.timed_out})"
                                f"\n{result.stdout_tails[0][-1500:]}\n{result.stderr_tails[0][-3000:]}")
@@ -106,7 +116,7 @@ def calibrate(cluster, args, backend: str, out: Path) -> float:
     row = Row(f"calibrate-{backend}", "calibration", args.ranks_per_node, backend=backend,
               extra=("--log-interval", "1"))  # every step's time, whatever the rows log
     run_dir = out / row.key
-    run_row(cluster, args, row, run_dir, CALIBRATION_STEPS)
+    run_row(cluster, args, row, run_dir, CALIBRATION_STEPS, jitter_ms=0.0)  # compute alone: jitter is predicted apart
     return compute_seconds(run_dir, warmup=2)
 
 
@@ -167,7 +177,7 @@ def _measure_row(cluster, args, row: Row, run_dir: Path, rate, compute_s: float)
     """Run one row once; what it measured beside what the cost model predicts."""
     counters = run_row(cluster, args, row, run_dir, args.steps)
     pred = predict_row(row, common_flags(args), args.nodes, args.ranks_per_node, rate, compute_s, args.steps,
-                       args.warmup)
+                       args.warmup, jitter_s=0.0 if row.is_peer else args.jitter_ms / 1000)
     got = measured(run_dir, args.warmup, pred["tokens_per_step"])
     _check_layout(row, got.get("layout"), args.nodes * args.ranks_per_node)
     wire = sum(c.wire_tx_bytes for c in counters) if counters else None

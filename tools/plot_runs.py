@@ -7,27 +7,36 @@ Writes, one line per run: loss_vs_tokens.png, loss_vs_time.png (wall clock: elap
 eval_loss_vs_tokens.png (when a run evaluated), bytes_per_tier.png (rank 0's cumulative
 intra-node and inter-node payload bytes against step) and, for runs with DBench metrics
 (--fl-topology other than complete, or --fl-dbench-metrics), consensus.png (consensus distance
-and the bytes the groups sent, against step; Ada's graphs marked). Needs pip install -e ".[plots]".
+and the bytes the groups sent, against step; Ada's graphs marked). A federated run's
+metrics.jsonl has the federation's records (at each sync); its groups' own per-step records
+(groups/group_GGGGG.jsonl) go into group_loss.png: each group's loss against step, with the
+federation's mean at the syncs. Needs pip install -e ".[plots]".
 """
 
 import argparse
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fl_megatron.training.run_files import group_records, logged_steps, read_jsonl  # noqa: E402
 
 MIB = 2 ** 20
 
 
 @dataclass
 class Run:
-    """One run's records: optimizer-step records and evaluation records, in file order."""
+    """One run's records: a record per logged step (a federated run's merged from its groups'
+    files, see fl_megatron.training.run_files.logged_steps) and evaluation records, in order."""
 
     label: str
     steps: list
     evals: list
+    groups: dict = field(default_factory=dict)  # group -> its own step records (federated runs)
+    federation: list = field(default_factory=list)  # metrics.jsonl's step records (a federated run's: its syncs)
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -36,15 +45,7 @@ def read_records(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl: is it a run directory (--run-dir) of a run "
                          "that logged at least one step?")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if number < len(lines):
-                raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
-    return records
+    return read_jsonl(path)
 
 
 def default_label(run_dir: Path) -> str:
@@ -61,8 +62,8 @@ def default_label(run_dir: Path) -> str:
 
 def load_run(run_dir: Path, label: Optional[str] = None) -> Run:
     records = read_records(run_dir)
-    return Run(label or default_label(run_dir), [r for r in records if "loss" in r],
-               [r for r in records if "eval_loss" in r])
+    return Run(label or default_label(run_dir), logged_steps(run_dir), [r for r in records if "eval_loss" in r],
+               group_records(run_dir), [r for r in records if "loss" in r])
 
 
 def wall_clock(records: list) -> list[float]:
@@ -170,11 +171,28 @@ def consensus(runs: Sequence[Run]):
     return fig
 
 
+def group_loss(runs: Sequence[Run]):
+    """Each group's own loss against step (thin lines, the run's colour) and the federation's
+    mean at each sync (markers); None when no run has group records."""
+    grouped = [run for run in runs if run.groups]
+    if not grouped:
+        return None
+    fig, (ax,) = _figure("Training loss of each federation group", "step", "loss (mean over the group's ranks)")
+    for run in grouped:
+        line, = ax.plot([r["step"] for r in run.federation], [r["loss"] for r in run.federation], "o",
+                        label=f"{run.label}: mean over groups at the syncs")
+        for records in run.groups.values():
+            ax.plot([r["step"] for r in records], [r["loss"] for r in records], color=line.get_color(),
+                    linewidth=0.7, alpha=0.5)
+    ax.legend()
+    return fig
+
+
 def plot_runs(runs: Sequence[Run]) -> dict:
     """{file name: Figure} for every plot that has data."""
     figures = {"loss_vs_tokens.png": loss_vs_tokens(runs), "loss_vs_time.png": loss_vs_time(runs),
                "eval_loss_vs_tokens.png": eval_loss_vs_tokens(runs), "bytes_per_tier.png": bytes_per_tier(runs),
-               "consensus.png": consensus(runs)}
+               "consensus.png": consensus(runs), "group_loss.png": group_loss(runs)}
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 

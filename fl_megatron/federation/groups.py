@@ -1,6 +1,8 @@
 """The process groups of one rank, built as a (federation, replica, shard) device mesh."""
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -50,8 +52,20 @@ class ProcessGroups:
             dist.all_reduce(tensor, op=op, group=self.peer)
 
 
-def build_process_groups(layout: Layout, device_type: str) -> ProcessGroups:
-    """Create every group on every rank (collective: all ranks call it in the same order).
+def _timeout_options(device_type: str, timeout: timedelta):
+    """(backend, options) giving a mesh dimension's groups `timeout`: without them torch gives
+    subgroups its default (30 min gloo, 10 min NCCL), not the job's --distributed-timeout-minutes."""
+    if device_type == "cuda" and hasattr(dist, "ProcessGroupNCCL"):
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
+
+
+def build_process_groups(layout: Layout, device_type: str, timeout: Optional[timedelta] = None) -> ProcessGroups:
+    """Create every group on every rank (collective: all ranks call it in the same order), each
+    with `timeout` (None: torch's default for subgroups).
 
     The sharding mesh is 1-D (shard) for FSDP inside the group and 2-D (replica, shard) for HSDP.
     """
@@ -60,10 +74,11 @@ def build_process_groups(layout: Layout, device_type: str) -> ProcessGroups:
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"the layout is for {layout.world_size} ranks but the job has "
                          f"{dist.get_world_size()}")
-    mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIM_NAMES)
+    override = None if timeout is None else {name: _timeout_options(device_type, timeout) for name in MESH_DIM_NAMES}
+    mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIM_NAMES, backend_override=override)
     shard_mesh = mesh[MESH_DIM_NAMES[1:]] if layout.is_hsdp else mesh[MESH_DIM_NAMES[2]]
     if layout.is_hsdp:
-        federation, _ = dist.new_subgroups_by_enumeration(federation_groups(layout))
+        federation, _ = dist.new_subgroups_by_enumeration(federation_groups(layout), timeout=timeout)
     else:
         federation = mesh.get_group(MESH_DIM_NAMES[2])
     return ProcessGroups(layout=layout, rank=dist.get_rank(), mesh=mesh, shard_mesh=shard_mesh,

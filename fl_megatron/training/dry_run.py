@@ -13,6 +13,7 @@ from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_ran
 from ..models import build_model
 from ..topology import Layout
 from .console import batch_line, federation_line
+from .meetings import meeting_lines
 
 
 def _breakdown_lines(title: str, breakdown) -> list[str]:
@@ -121,6 +122,8 @@ def dry_run_report(run: ResolvedRun) -> str:
         *(_ada_lines(layout, num_params, fed) if h and fed.topology == "ada" else []),
         f"  per optimizer step, sync amortised over H={h}: intra-node {format_bytes(amortised['intra-node'])}, "
         f"inter-node {format_bytes(amortised['inter-node'])}",
+        "",
+        *meeting_lines(run, num_params),
         "",
         compare_text(run, workload_for(run, counts=(num_params, root, len(model.layers)))),
         "",

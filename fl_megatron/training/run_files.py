@@ -90,3 +90,42 @@ class RunFiles:
             if handle is not None:
                 handle.close()
         self._metrics = self._detail = self._group = None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of one JSON-lines file; a torn last line (a killed run) is skipped, a bad line
+    before it is a ValueError naming the file and line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
+    return records
+
+
+def group_records(run_dir) -> dict[int, list[dict]]:
+    """{group: its step records} from RUN_DIR/groups/ (empty for a run with a single group)."""
+    files = sorted((Path(run_dir) / "groups").glob("group_[0-9]*[0-9].jsonl"))
+    return {int(f.stem.split("_")[1]): [r for r in read_jsonl(f) if "loss" in r] for f in files}
+
+
+def logged_steps(run_dir) -> list[dict]:
+    """One record per logged step over the whole federation. A single group's are metrics.jsonl's;
+    in a federated run each step that every group logged is group 0's record with `loss` and
+    `grad_norm` replaced by their means over the groups (so over all ranks: groups are of equal
+    size) and `group_losses` added. Read after the run: the groups never met to write it."""
+    groups = group_records(run_dir)
+    if not groups:
+        return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+    by_step = [{r["step"]: r for r in records} for _, records in sorted(groups.items())]
+    merged = []
+    for step in sorted(set.intersection(*(set(b) for b in by_step))):
+        records = [b[step] for b in by_step]
+        losses = [r["loss"] for r in records]
+        merged.append({**{k: v for k, v in records[0].items() if k != "group"},
+                       "loss": sum(losses) / len(losses), "grad_norm": sum(r["grad_norm"] for r in records) / len(records),
+                       "group_losses": losses})
+    return merged

@@ -3,6 +3,7 @@
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple, Optional
 
 import torch
@@ -64,7 +65,8 @@ class Trainer:
         self._banner()
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data(samples)
-        self.groups = build_process_groups(self.layout, self.device.type)
+        self.groups = build_process_groups(self.layout, self.device.type,
+                                           timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
         self.group = self.groups.coords[0]
         # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
         self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)

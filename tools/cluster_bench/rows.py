@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Row:
     """One run of the benchmark. group_size/shard_size are ranks (None: all ranks / the group);
-    sync_interval 0 means no averaging; system is "fl-megatron" or "torchft-localsgd"/"-diloco"."""
+    sync_interval 0 means no averaging; system is "fl-megatron" or "torchft-localsgd"/"-diloco";
+    fault: an FL_MEGATRON_FAULT the row adds (`lockstep`: the loop coupled every step, as before)."""
 
     key: str
     label: str
@@ -17,6 +18,7 @@ class Row:
     backend: str = "fsdp2"
     system: str = "fl-megatron"
     extra: tuple = field(default_factory=tuple)
+    fault: str = ""
 
     @property
     def is_peer(self) -> bool:
@@ -40,6 +42,8 @@ def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     if nodes > 1 and rpn > 1:
         rows.append(Row("hsdp", f"HSDP {nodes}x{rpn} (shard in node)", world, rpn))
     rows.append(Row("fl-fsdp", f"FL+FSDP {nodes} groups of {rpn}", rpn, None, h))
+    rows.append(Row("fl-fsdp-lockstep", "FL+FSDP, a world all-reduce every step (before)", rpn, None, h,
+                    fault="lockstep"))
     int8 = ("--fl-sync-dtype", "int8", "--fl-error-feedback")
     rows.append(Row("fl-fsdp-bf16", "FL+FSDP, bf16 sync", rpn, None, h, extra=("--fl-sync-dtype", "bf16")))
     rows.append(Row("fl-fsdp-int8", "FL+FSDP, int8 sync + EF", rpn, None, h, extra=int8))

@@ -1,15 +1,16 @@
-"""What one benchmark row measured, read back from its run directory (metrics.jsonl, summary.json)."""
+"""What one benchmark row measured, read back from its run directory (step records, summary.json)."""
 
 import json
 import statistics
 from pathlib import Path
 
+from fl_megatron.training.run_files import logged_steps
+
 
 def step_records(run_dir: Path) -> list[dict]:
-    """Training-step records in step order (the run logs every step)."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    return sorted((r for r in records if "loss" in r and "elapsed_s" in r), key=lambda r: r["step"])
+    """Training-step records in step order: one per logged step over all groups (a federated
+    run's merged from its groups' files, elapsed_s from group 0's: rank 0's clock)."""
+    return sorted((r for r in logged_steps(run_dir) if "elapsed_s" in r), key=lambda r: r["step"])
 
 
 def span_seconds(records: list[dict], warmup: int) -> tuple[float, int]:

@@ -107,7 +107,8 @@ def main(argv=None) -> int:
                f"{peer.run.tokens_per_step} tokens per step, run dir {t.run_dir}")
     torch.manual_seed(t.seed)
     source, valid = load_data(peer)
-    groups = build_process_groups(peer.local_run.layout, device.type)
+    groups = build_process_groups(peer.local_run.layout, device.type,
+                                  timedelta(minutes=peer.run.cfg.parallel.distributed_timeout_minutes))
     backend = make_backend(peer.local_run, groups, device, initial_values_for(peer.local_run))
     manager = make_manager(peer, backend)
     finished = False
