@@ -199,3 +199,26 @@ def test_overlapped_and_compressed_syncs():
     assert overlapped.exposed_sync_seconds == pytest.approx(hidden)
     assert overlapped.mean_step_seconds == pytest.approx(packed.step_seconds + hidden / 8)
     assert overlapped.run_seconds(16) == pytest.approx(16 * packed.step_seconds + hidden + packed.sync_seconds)
+
+
+def test_coupling_costs_against_closed_forms():
+    """The slowest of F exponential stalls has mean m x H_F (the F-th harmonic number); a single
+    group's stalls cost their mean whatever the interval; a world all-reduce pays 2 (N - 1)
+    ring steps of latency, inter-node when the job spans nodes."""
+    from fl_megatron.cost_model.coupling import jitter_wait_per_step, world_all_reduce_seconds
+    from fl_megatron.cost_model.network import Cluster
+    from fl_megatron.topology import make_layout
+
+    m = 0.05
+    for groups in (1, 2, 8):
+        harmonic = sum(1 / k for k in range(1, groups + 1))
+        assert jitter_wait_per_step(groups, 8, m, coupled=True) == pytest.approx(m * harmonic, rel=0.03)
+    assert jitter_wait_per_step(1, 8, m, coupled=False) == pytest.approx(m, rel=0.03)
+    # meeting only at syncs waits less per step, and less so the more the stalls average out
+    decoupled = [jitter_wait_per_step(8, h, m, coupled=False) for h in (1, 8, 64)]
+    assert decoupled[0] == pytest.approx(jitter_wait_per_step(8, 1, m, coupled=True), rel=0.03)
+    assert decoupled[0] > decoupled[1] > decoupled[2] > m
+    assert jitter_wait_per_step(8, 8, 0.0, coupled=True) == 0.0
+    cluster = Cluster(inter_node_gbps=200, intra_node_gbps=1600, inter_node_latency_us=5, intra_node_latency_us=2)
+    assert world_all_reduce_seconds(make_layout(512, 4, group_size=4), cluster) == pytest.approx(2 * 511 * 5e-6)
+    assert world_all_reduce_seconds(make_layout(4, 4, group_size=2), cluster) == pytest.approx(2 * 3 * 2e-6)

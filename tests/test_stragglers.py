@@ -39,3 +39,18 @@ def test_a_delayed_group_holds_up_only_the_next_sync(tmp_path, coupled):
     between = [mine[s] for s in range(2, 8)]
     assert max(between) < 1.0 and sum(between) < DELAY_S / 2, mine  # steps 2-7 at group 0's own pace
     assert mine[8] >= DELAY_S * 0.8, mine  # the sync after step 8 waited for group 1
+
+
+def test_delay_and_jitter_faults(monkeypatch):
+    """delay:G:S:T hits group G before step S only; jitter:M:SEED is the same on every rank of a
+    group (a function of seed, group and step), differs between groups, and averages M."""
+    from fl_megatron.faults import delay_seconds, lockstep
+
+    monkeypatch.setenv("FL_MEGATRON_FAULT", "delay:1:2:3,jitter:0.05:7")
+    jitter = [delay_seconds(0, s) for s in range(1, 2001)]
+    assert delay_seconds(1, 2) - delay_seconds(1, 3) != 0 and delay_seconds(1, 2) >= 3.0
+    assert jitter == [delay_seconds(0, s) for s in range(1, 2001)]  # reproducible
+    assert jitter[:50] != [delay_seconds(1, s) for s in range(1, 51)]
+    assert sum(jitter) / len(jitter) == pytest.approx(0.05, rel=0.1) and not lockstep()
+    monkeypatch.setenv("FL_MEGATRON_FAULT", "delay:1:2:3,lockstep")
+    assert delay_seconds(1, 2) == 3.0 and delay_seconds(0, 2) == 0.0 and delay_seconds(1, 3) == 0.0 and lockstep()
