@@ -74,7 +74,10 @@ def build_process_groups(layout: Layout, device_type: str, timeout: Optional[tim
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"the layout is for {layout.world_size} ranks but the job has "
                          f"{dist.get_world_size()}")
-    override = None if timeout is None else {name: _timeout_options(device_type, timeout) for name in MESH_DIM_NAMES}
+    # a dimension spanning the whole job reuses the default group (and its timeout): no second communicator
+    override = None if timeout is None else {
+        name: _timeout_options(device_type, timeout)
+        for name, size in zip(MESH_DIM_NAMES, mesh_shape(layout)) if size < layout.world_size} or None
     mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=MESH_DIM_NAMES, backend_override=override)
     shard_mesh = mesh[MESH_DIM_NAMES[1:]] if layout.is_hsdp else mesh[MESH_DIM_NAMES[2]]
     if layout.is_hsdp:
