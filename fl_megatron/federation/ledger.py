@@ -58,6 +58,8 @@ _PAYLOAD_ARG = {
     "reduce_scatter_tensor_coalesced": 0, "broadcast": 0, "all_to_all_single": 0,
 }
 _NAMESPACES = ("c10d", "_c10d_functional")
+# functional-collective helpers that move nothing between ranks
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
 
 def collective_ranks(args) -> Optional[tuple]:
@@ -99,7 +101,7 @@ class CollectiveCounter(TorchDispatchMode):
             index = _PAYLOAD_ARG.get(name)
             if index is not None and index < len(args):
                 self.payload[name] += _tensor_bytes(args[index])
-            if self.on_collective is not None and name != "wait_tensor":
+            if self.on_collective is not None and name not in _NOT_COLLECTIVES:
                 self.on_collective(name, collective_ranks(args))
         return func(*args, **(kwargs or {}))
 

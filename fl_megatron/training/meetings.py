@@ -29,8 +29,9 @@ def meeting_lines(run: ResolvedRun, num_params: int) -> list[str]:
                          "groups have no sync to agree at)")
         return lines + _occasional(t, c)
     interval = fed.fragment_interval
-    # a rank's shard of the fragment a sync moves, cut into buckets of --fl-bucket-mb
-    elements = num_params / layout.group_size / fed.fragments / (layout.replicas if fed.replica_split else 1)
+    # a rank's shard (over S ranks) of the fragment a sync moves, its replica's slice with the
+    # HSDP replica split, cut into buckets of --fl-bucket-mb
+    elements = num_params / layout.shard_size / fed.fragments / (layout.replicas if fed.replica_split else 1)
     buckets = max(1, math.ceil(elements * 4 / (fed.bucket_mb * (1 << 20))))
     if fed.gossip:
         exchange = f"about {buckets} batches of point-to-point sends to the graph's neighbours (peer group)"

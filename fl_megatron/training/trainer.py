@@ -160,9 +160,9 @@ class Trainer:
         asked to stop: one all-reduce of four numbers inside the federation group."""
         self.phases.enter("logging", done)
         requests = self._stop.requests() if self._stop is not None and self._stop.watching else (False, False)
-        stats = torch.stack([loss.detach().float().reshape(()), torch.as_tensor(norm, dtype=torch.float32,
-                                                                                  device=self.device).reshape(()),
-                             *torch.tensor(requests, dtype=torch.float32, device=self.device)])
+        figures = torch.stack([loss.detach().float().reshape(()),
+                               torch.as_tensor(norm, dtype=torch.float32, device=self.device).reshape(())])
+        stats = torch.cat([figures, torch.tensor(requests, dtype=torch.float32, device=self.device)])
         dist.all_reduce(stats, group=self.groups.federation)
         total_loss, total_norm, signalled, timed_out = stats.tolist()
         size = self.layout.group_size
