@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -222,3 +223,47 @@ def test_coupling_costs_against_closed_forms():
     cluster = Cluster(inter_node_gbps=200, intra_node_gbps=1600, inter_node_latency_us=5, intra_node_latency_us=2)
     assert world_all_reduce_seconds(make_layout(512, 4, group_size=4), cluster) == pytest.approx(2 * 511 * 5e-6)
     assert world_all_reduce_seconds(make_layout(4, 4, group_size=2), cluster) == pytest.approx(2 * 3 * 2e-6)
+
+
+def _predicted_block(text: str) -> str:
+    """The cost model's block: from 'predicted time' to the end of its table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "predicted time (cost model" in line)
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_the_tool_and_the_dry_run_agree_on_the_same_flags():
+    """docs/cost-model.md's example: `--seq-length` once matched `--seq-length-published` by
+    argparse's prefix matching, so the tool ran at sequence 128 without a word. Both forms of
+    the flag must reach the model, and the tool must print what the dry run prints."""
+    root = Path(__file__).resolve().parents[1]
+    flags = ["--model", "llama3.1-8b", "--world-size", "256", "--ranks-per-node", "8", "--fl-group-size", "8",
+             "--bf16", "--micro-batch-size", "1", "--inter-node-gbps", "100", "--mfu", "0.35"]
+    dry = subprocess.run([sys.executable, "-m", "fl_megatron.pretrain", *flags, "--seq-length", "8192", "--dry-run"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert dry.returncode == 0, dry.stderr
+    expected = _predicted_block(dry.stdout)
+    assert "sequence length 8192" in expected and "2,097,152 tokens per step over 256 ranks" in expected
+    for seq in (["--seq-length", "8192"], ["--seq-length=8192"]):
+        tool = subprocess.run([sys.executable, str(root / "tools" / "cost_model.py"), *flags, *seq],
+                              capture_output=True, text=True, timeout=120)
+        assert tool.returncode == 0, tool.stderr
+        assert _predicted_block(tool.stdout) == expected, (seq, tool.stdout)
+    # a prefix of a flag is refused, not matched
+    short = subprocess.run([sys.executable, str(root / "tools" / "cost_model.py"), *flags, "--seq-len", "8192"],
+                           capture_output=True, text=True, timeout=120)
+    assert short.returncode == 2 and "--seq-len" in short.stderr, short.stderr
+
+
+def test_no_parser_of_ours_matches_abbreviated_flags():
+    """Every argparse parser in the package and the tools is built with allow_abbrev=False."""
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in [*(root / "fl_megatron").rglob("*.py"), *(root / "tools").rglob("*.py")]:
+        text = path.read_text()
+        for index in [m.start() for m in re.finditer(r"(ArgumentParser|_Parser)\(", text)]:
+            call = text[index:index + 200]  # the keyword arguments follow the name
+            if "class " not in text[max(0, index - 6):index] and "allow_abbrev=False" not in call:
+                offenders.append(f"{path.relative_to(root)}: {call[:60]}")
+    assert not offenders, offenders

@@ -84,7 +84,7 @@ def _converter_peak(checkpoint: str, output: str, dtype: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--backend", default="fsdp2", choices=["fsdp2", "deepspeed"])

@@ -33,7 +33,7 @@ from fl_megatron.data.text_tokenizers import SUPPORTED_TYPES, build_tokenizer
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--megabytes", type=float, default=8.0, help="size of the JSONL input (default 8)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported (default 3)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")

@@ -75,7 +75,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", nargs="+", choices=GOSSIP, default=list(GOSSIP))
     args, extra, out = parse_runs_args(parser, argv, "runs/gossip")
     results = []

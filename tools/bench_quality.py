@@ -109,7 +109,7 @@ def parse_runs_args(parser: argparse.ArgumentParser, argv, default_out: str) -> 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["fsdp", "hsdp"])
     args, extra, out = parse_runs_args(parser, argv, "runs/quality")
     results = []

@@ -149,7 +149,7 @@ def step_job(rank, world, args, backend_name):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--ffn-hidden-size", type=int, default=1408)

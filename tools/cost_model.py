@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fl_megatron.config import resolve  # noqa: E402
 from fl_megatron.config.flags import parse_args  # noqa: E402
 from fl_megatron.cost_model import prediction_row, table_text  # noqa: E402
+from fl_megatron.cost_model.report import workload_text  # noqa: E402
 from fl_megatron.cost_model.compare import compare_rows, compare_text  # noqa: E402
 from fl_megatron.cost_model.flops import train_flops_per_token  # noqa: E402
 from fl_megatron.cost_model.published import (ASSUMPTIONS, LEFT_OUT, PUBLISHED_SPEEDUP, best_speedup,  # noqa: E402
@@ -40,7 +41,7 @@ def published(seq_length: int) -> tuple[str, dict]:
     lines = ["Published setup (Mittone and Aldinucci, Euro-Par 2026): Llama 3.1 8B pre-training on 512 A100 "
              "(128 nodes x 4), H = 8", "", "Assumptions:"]
     lines += [f"  - {a.name}: {a.value}\n      source: {a.source}" for a in ASSUMPTIONS]
-    lines += ["", f"Predicted ({work.num_params:,} parameters, {work.tokens_per_step:,} tokens per step):",
+    lines += ["", "Predicted:", workload_text(run, work),
               table_text(rows, list(baselines)), "",
               f"Best predicted speed-up: {pair} {best:.2f}x; published: up to {PUBLISHED_SPEEDUP}x.", "",
               f"What {PUBLISHED_SPEEDUP}x implies, everything else as assumed:"]
@@ -80,7 +81,7 @@ def configured(argv: list[str]) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0], add_help=False)
     parser.add_argument("--preset", choices=["published"], help="a preset setup instead of flags")
     parser.add_argument("--seq-length-published", type=int, default=8192,
                         help="sequence length assumed for the published setup")

@@ -155,7 +155,7 @@ def write_corpus(docs: list[str], out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--max-bytes", type=int, default=3_500_000, help="cap on raw text size")
     args = parser.parse_args(argv)

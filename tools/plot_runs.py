@@ -197,7 +197,7 @@ def plot_runs(runs: Sequence[Run]) -> dict:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (--run-dir of each run)")
     p.add_argument("--out", default="plots", metavar="DIR", help="where the PNG files go (default: plots)")
     p.add_argument("--label", nargs="+", action="extend", metavar="NAME",

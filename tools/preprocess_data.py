@@ -32,7 +32,7 @@ _UNSUPPORTED = [
 
 def parse_args(argv=None):
     description, epilog = __doc__.split("\n\n", 1)
-    p = argparse.ArgumentParser(description=description, epilog=epilog,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=description, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="a .jsonl, .jsonl.gz, .txt or .txt.gz file")

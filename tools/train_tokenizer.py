@@ -19,7 +19,7 @@ from fl_megatron.data.tokenizer import Tokenizer, atomic_write_bytes, train_sent
 
 def parse_args(argv=None):
     description, epilog = __doc__.split("\n\n", 1)
-    p = argparse.ArgumentParser(description=description, epilog=epilog,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=description, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="a .jsonl, .jsonl.gz, .txt or .txt.gz file")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text is trained on (default: text)")

@@ -52,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """All flags; every default is SUPPRESS so that only what the user typed reaches the config."""
     parser = _Parser(
-        prog="fl_megatron.pretrain", argument_default=argparse.SUPPRESS,
+        prog="fl_megatron.pretrain", argument_default=argparse.SUPPRESS, allow_abbrev=False,
         description="Pre-train a Llama/GPT model with federated sharded data parallelism "
                     "(FL+FSDP, FL+HSDP). Launch with torchrun; --dry-run plans without processes.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

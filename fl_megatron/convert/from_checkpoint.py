@@ -65,7 +65,7 @@ def convert(checkpoint: str, output: str, iteration: int | None = None, dtype: s
 def main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(description="Convert an fl-megatron checkpoint (FSDP2 or DeepSpeed) to a "
+    p = argparse.ArgumentParser(allow_abbrev=False, description="Convert an fl-megatron checkpoint (FSDP2 or DeepSpeed) to a "
                                             "Hugging Face directory (LlamaForCausalLM or GPT2LMHeadModel).")
     p.add_argument("--checkpoint", required=True, help="the --save directory of a run")
     p.add_argument("--iteration", type=int, help="which checkpoint (default: the latest)")

@@ -4,7 +4,7 @@ from typing import Optional
 
 from ..config import ResolvedRun
 from .network import Cluster
-from .report import prediction_row, table_text
+from .report import prediction_row, table_text, workload_text
 from .timing import Workload, predict
 from .variants import baseline_variants, federated_variants
 from .workload import workload_for
@@ -36,4 +36,5 @@ def compare_text(run: ResolvedRun, work: Optional[Workload] = None) -> str:
         f"  predicted time (cost model; {c.collective_library} rings, inter-node {c.inter_node_gbps:g} Gbit/s "
         f"per node, intra-node {c.intra_node_gbps:g} Gbit/s per rank, overlap {c.overlap:g}; compute "
         f"{work.compute_seconds:.3f} s per step {source}):",
+        workload_text(run, work),
         table_text(rows, baselines)])

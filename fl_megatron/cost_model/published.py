@@ -24,7 +24,7 @@ class Assumption:
 
 
 ASSUMPTIONS = (
-    Assumption("model", "Llama 3.1 8B (our llama3.1-8b preset), bf16, AdamW", "the paper (notes/the-method.md)"),
+    Assumption("model", "Llama 3.1 8B (our llama3.1-8b preset), bf16, AdamW", "the paper (docs/method.md)"),
     Assumption("batch", "micro-batch 2 per GPU, no accumulation", "the paper"),
     Assumption("sequence length", "8192 tokens", "ASSUMED: Llama 3.1's pre-training length; the notes do not give it"),
     Assumption("cluster", "128 nodes x 4 A100, InfiniBand between nodes, H = 8", "the paper"),

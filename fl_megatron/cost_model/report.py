@@ -1,7 +1,16 @@
 """Tables of predictions: time per step and per sync, tokens/s, inter-node bytes and speed-ups."""
 
 from ..costs import format_bytes
-from .timing import Prediction
+from .timing import Prediction, Workload
+
+
+def workload_text(run, work: Workload) -> str:
+    """The batch and sequence length a prediction assumes, resolved (so a flag that did not take is seen)."""
+    t = run.cfg.training
+    sequences = work.tokens_per_step // t.seq_length
+    return (f"  workload: micro-batch {t.micro_batch_size} x sequence length {t.seq_length} x "
+            f"{run.accumulation} micro-batch(es) per rank and step = {sequences:,} sequences, "
+            f"{work.tokens_per_step:,} tokens per step over {run.world_size} ranks; {work.num_params:,} parameters")
 
 
 def prediction_row(p: Prediction, tokens_per_step: int, baselines: dict[str, Prediction]) -> dict:

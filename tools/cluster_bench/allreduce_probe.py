@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=float, default=4.0)
     parser.add_argument("--iters", type=int, default=1)
     parser.add_argument("--init-method", default="env://")

@@ -95,7 +95,7 @@ def setup(nodes: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--what", nargs="+", default=["bulk", "gloo", "setup"])
     parser.add_argument("--rates", type=float, nargs="+", default=[10, 100, 1000],
                         help="Mbit/s; 0 = unshaped")

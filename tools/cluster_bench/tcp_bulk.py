@@ -60,7 +60,7 @@ def send(host: str, port: int, mbytes: float) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("role", choices=["send", "recv"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--bind", default="0.0.0.0")

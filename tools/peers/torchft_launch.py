@@ -207,7 +207,7 @@ def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Pat
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s [options] -- WORKER_FLAGS")
     parser.add_argument("--groups", type=int, default=2, help="replica groups F")
     parser.add_argument("--ranks-per-group", type=int, default=1, help="ranks G of each torchrun job")
