@@ -265,11 +265,11 @@ class Trainer:
                 self.phases.enter("checkpoint-write", done)
                 path = self.checkpointer.save(done)
                 say(f"  saved checkpoint {path}", self.is_writer)
+            if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
+                evals.append(self._eval_record(done))  # a stop at an evaluation step evaluates first
             if stopped:
                 say(f"  stopping after step {done} ({stopped})", self.is_writer)
                 break
-            if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
-                evals.append(self._eval_record(done))
         wall = time.perf_counter() - start
         final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
         self.phases.enter("summary", done)
