@@ -118,11 +118,12 @@ def _check_sources(run) -> None:
     """The checkpoint --load would resume from, or the --init-from-hf directory, fits the run."""
     from pathlib import Path
 
-    from .checkpoint import find_checkpoint, source_groups, will_resume
+    from .checkpoint import find_checkpoint, resume_source, source_groups
 
     options = run.cfg.checkpoint
-    if will_resume(run):
-        _, meta = find_checkpoint(Path(options.load))
+    source = resume_source(options)
+    if source is not None:
+        _, meta = find_checkpoint(*source)
         source_groups(meta, run)
     elif options.init_from_hf:
         from .convert.hf_init import check_hf_source
@@ -136,13 +137,14 @@ def _check_checkpoint_files(run, rank: Optional[int]) -> None:
     from pathlib import Path
 
     from .backends.pickle_guard import check_group_pickles
-    from .checkpoint import find_checkpoint, source_groups, will_resume
+    from .checkpoint import find_checkpoint, resume_source, source_groups
     from .checkpoint.paths import group_dir
     from .topology import coords
 
-    if not will_resume(run):
+    source = resume_source(run.cfg.checkpoint)
+    if source is None:
         return
-    path, meta = find_checkpoint(Path(run.cfg.checkpoint.load))
+    path, meta = find_checkpoint(*source)
     sources, _ = source_groups(meta, run)
     groups = range(run.layout.num_groups) if rank is None else [coords(run.layout, rank)[0]]
     for group in sorted({sources[g] for g in groups}):

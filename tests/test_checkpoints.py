@@ -60,6 +60,9 @@ def _exact_resume(tmp: Path, backend: str, *extra: str) -> None:
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in reference]
+    counters = ("intra_group_bytes", "inter_group_bytes", "intra_node_bytes", "inter_node_bytes")
+    assert [[r[k] for k in counters] for r in resumed] == [[r[k] for k in counters] for r in reference]
+    assert resumed[-1]["inter_group_bytes"] > 0  # cumulative across both resumes, not restarted
     assert published_iterations(Path(ckpt)) == [6] and not list(Path(ckpt).glob(".iter_*"))
     assert _same_parameters(Path(ckpt), tmp / "ref_ckpt")
     meta = json.loads((Path(ckpt) / "iter_0000006" / "metadata.json").read_text())
@@ -169,3 +172,29 @@ def test_configuration_error_reaches_the_user_under_torchrun(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.count("fl_megatron.pretrain: error:") >= 1
     assert "group_size" in proc.stderr
+
+
+def test_which_checkpoint_load_resumes(tmp_path):
+    """--load DIR takes the tracker's iteration, --load DIR/iter_N that one, --load-iteration N
+    the one it names; a directory of checkpoints without a tracker is refused (it once trained
+    from step 0 without a word), as are two different iterations at once."""
+    from fl_megatron.checkpoint import resume_source
+    from fl_megatron.config.checkpoint import CheckpointConfig
+
+    root = tmp_path / "ckpt"
+    assert resume_source(CheckpointConfig(load=str(root))) is None  # nothing there yet: a fresh start
+    root.mkdir()
+    assert resume_source(CheckpointConfig(load=str(root))) is None
+    for n in (4, 8):
+        (root / f"iter_{n:07d}").mkdir()
+    with pytest.raises(ValueError, match="holds checkpoints of iterations 4, 8 but no latest_checkpointed"):
+        resume_source(CheckpointConfig(load=str(root)))
+    (root / TRACKER).write_text("8\n")
+    assert resume_source(CheckpointConfig(load=str(root))) == (root, 8)
+    assert resume_source(CheckpointConfig(load=str(root / "iter_0000004"))) == (root, 4)
+    assert resume_source(CheckpointConfig(load=str(root), load_iteration=4)) == (root, 4)
+    assert resume_source(CheckpointConfig(load=str(root / "iter_0000004"), load_iteration=4)) == (root, 4)
+    with pytest.raises(ValueError, match="names iteration 4 but --load-iteration is 8"):
+        resume_source(CheckpointConfig(load=str(root / "iter_0000004"), load_iteration=8))
+    with pytest.raises(ValueError, match="needs --load DIR"):
+        CheckpointConfig(load_iteration=4).validate()

@@ -15,9 +15,13 @@ from ..file_modes import save_safetensors
 from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
 from ..federation.failed_collective import is_failed_collective
+from .initial import resume_source
 from .metadata import build_metadata, find_checkpoint, manifest, source_groups
 from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_file, prune, publish, read_tracker,
                     rng_file, staging_dir, write_text_durably)
+
+
+BYTE_COUNTERS = "byte_counters"  # this rank's CommLedger totals, kept beside its random states
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -96,7 +100,7 @@ class Checkpointer:
         self.backend.save_state(group_dir(staging, source), write=self.group in saved_groups and self._writes_group())
         rng = rng_file(staging, self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
-        save_safetensors(_rng_state(), rng)
+        save_safetensors({**_rng_state(), BYTE_COUNTERS: self.engine.ledger.state_tensor()}, rng)
         outer = self.engine.state_tensors()
         if outer:
             path = outer_file(staging, self.rank)
@@ -124,12 +128,12 @@ class Checkpointer:
     # --- resuming -------------------------------------------------------------------------
     def resume(self, say) -> int:
         """Load the newest checkpoint under `--load` and return its iteration (0: none there)."""
-        root = self.options.load
-        if root is None or read_tracker(Path(root)) is None:
-            if root is not None:
-                say(f"  no checkpoint in {root} yet: starting from step 0")
+        source = resume_source(self.options)
+        if source is None:
+            if self.options.load is not None:
+                say(f"  no checkpoint in {self.options.load} yet: starting from step 0")
             return 0
-        path, meta = find_checkpoint(Path(root))
+        path, meta = find_checkpoint(*source)
         sources, notes = source_groups(meta, self.run)
         source = group_dir(path, sources[self.group])
         try:
@@ -142,9 +146,12 @@ class Checkpointer:
                                       "it is damaged or was written by another version") from e
         rng = rng_file(path, self.rank)
         if meta["layout"]["world_size"] == self.run.layout.world_size and rng.is_file():
-            _set_rng_state(load_file(str(rng)))
+            saved = load_file(str(rng))
+            _set_rng_state(saved)
+            if BYTE_COUNTERS in saved:
+                self.engine.ledger.load_state_tensor(saved[BYTE_COUNTERS])
         else:
-            notes.append("random states re-seeded (another world size)")
+            notes.append("random states re-seeded and byte counters restarted (another world size)")
         self.engine.last_synced_step = meta["federation"]["last_synced_step"]
         saved_fed, fed = meta["config"]["federation"], self.run.cfg.federation
         outer = outer_file(path, self.rank)

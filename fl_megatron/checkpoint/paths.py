@@ -3,7 +3,7 @@
     SAVE/latest_checkpointed_iteration.txt   the newest complete checkpoint (written last)
     SAVE/iter_0000100/metadata.json          what the checkpoint holds, and a manifest of its files
     SAVE/iter_0000100/group_000/ ...         each federation group's state (the backend's format)
-    SAVE/iter_0000100/rng/rank_00000.safetensors
+    SAVE/iter_0000100/rng/rank_00000.safetensors   each rank's random states and byte counters
 
 A checkpoint is written under `.iter_NNNNNNN.staging/` and renamed into place when complete; the
 pointer file is replaced after that. A crash at any moment leaves the previous checkpoint usable.
@@ -61,6 +61,12 @@ def write_text_durably(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
         raise
     _fsync_dir(path.parent)
+
+
+def iteration_number(name: str) -> int | None:
+    """N of a directory named iter_NNNNNNN, else None."""
+    m = _ITER.match(name)
+    return int(m.group(1)) if m else None
 
 
 def published_iterations(root: Path) -> list[int]:

@@ -17,7 +17,10 @@ class CheckpointConfig:
                                         "and when exiting early"})
     load: Optional[str] = field(
         default=None, metadata={"help": "resume from the latest checkpoint in this directory (a run with no "
-                                        "checkpoint there yet starts from scratch, so --save and --load may be the same)"})
+                                        "checkpoint there yet starts from scratch, so --save and --load may be the "
+                                        "same), or from the one it names if it is an iter_NNNNNNN directory"})
+    load_iteration: Optional[int] = field(
+        default=None, metadata={"help": "resume from this iteration's checkpoint under --load instead of the latest"})
     load_optim: bool = field(default=True, metadata={"help": "restore optimizer states when loading "
                                                              "(--no-load-optim: weights, schedule position and data position only)"})
     keep_last: Optional[int] = field(
@@ -48,6 +51,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 errors.append(f"{name}={value} must be at least 1")
+        if self.load_iteration is not None and (self.load is None or self.load_iteration < 0):
+            errors.append(f"load_iteration={self.load_iteration} needs --load DIR and must be at least 0")
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             errors.append(f"exit_duration_in_mins={self.exit_duration_in_mins} must be positive")
         if self.ckpt_mode not in CHECKPOINT_MODES:

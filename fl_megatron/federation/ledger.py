@@ -30,6 +30,16 @@ class CommLedger:
         self.by_scope[scope] += int(nbytes)
         self.by_tier[tier] += int(nbytes)
 
+    def state_tensor(self) -> torch.Tensor:
+        """The totals as saved in a checkpoint (int64: scopes, then tiers)."""
+        return torch.tensor([self.by_scope[s] for s in SCOPES] + [self.by_tier[t] for t in TIERS], dtype=torch.int64)
+
+    def load_state_tensor(self, state: torch.Tensor) -> None:
+        """Continue from saved totals (a resumed run's counters stay cumulative)."""
+        values = [int(v) for v in state.tolist()]
+        self.by_scope = Counter(dict(zip(SCOPES, values[:len(SCOPES)])))
+        self.by_tier = Counter(dict(zip(TIERS, values[len(SCOPES):])))
+
     def snapshot(self) -> dict:
         """Plain dict of the totals so far."""
         return {"intra_group_bytes": self.by_scope["intra-group"],

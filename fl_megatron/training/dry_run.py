@@ -5,6 +5,7 @@ per-rank memory estimate and communication per step and per sync from the formul
 `fl_megatron.costs`.
 """
 
+from ..checkpoint import find_checkpoint, resume_source, source_groups
 from ..config import ResolvedRun, RunConfig
 from ..cost_model.compare import compare_text
 from ..cost_model.workload import gradient_bytes, workload_for
@@ -60,6 +61,28 @@ def _checkpoint_line(cfg: RunConfig, layout: Layout, num_params: int) -> str:
     extra = f"; both with {format_bytes(num_params * 4 * outer)} of sync state" if outer else ""
     return (f"  checkpoint size{where}: {', '.join(parts)} "
             f"(exact: {layout.num_groups} groups' parameters and optimizer states; compact: one{extra})")
+
+
+def _start_lines(run: ResolvedRun) -> list[str]:
+    """Where the weights come from: the checkpoint --load resumes (directory, step, backend,
+    layout, what changes), Hugging Face weights, or the seeded initialisation."""
+    options = run.cfg.checkpoint
+    source = resume_source(options)
+    if source is None:
+        if options.init_from_hf:
+            return [f"  start: step 0 from the Hugging Face weights in {options.init_from_hf}"]
+        empty = f" ({options.load} holds no checkpoint yet)" if options.load else ""
+        return [f"  start: step 0 from the seeded initialisation{empty}"]
+    path, meta = find_checkpoint(*source)
+    _, notes = source_groups(meta, run)
+    lay = meta["layout"]
+    saved = (f"{lay['num_groups']} groups x {lay['group_size']} ranks (shard {lay['hsdp_shard_size']}) on "
+             f"{lay['world_size']} ranks")
+    fed = meta["federation"]
+    lines = [f"  resume: {path} at step {meta['iteration']} ({meta['backend']}, {meta['mode']} checkpoint, saved as "
+             f"{saved}; {fed['steps_since_sync']} steps past the last sync"
+             + ("" if options.load_optim else "; optimizer state not loaded") + ")"]
+    return lines + [f"    note: {n}" for n in notes]
 
 
 def _ada_lines(layout: Layout, num_params: int, fed) -> list[str]:
@@ -127,6 +150,7 @@ def dry_run_report(run: ResolvedRun) -> str:
         "",
         compare_text(run, workload_for(run, counts=(num_params, root, len(model.layers)))),
         "",
+        *_start_lines(run),
         _checkpoint_line(cfg, layout, num_params),
     ]
     return "\n".join(lines)
