@@ -80,7 +80,8 @@ bench-data: $(VENV)/.package
 
 dry-run: $(VENV)/.package
 	$(BIN)/python -m fl_megatron.pretrain --model llama3.1-8b --world-size 512 --ranks-per-node 4 \
-		--fl-group-size 32 --fl-hsdp-shard-size 4 --bf16 --micro-batch-size 2 --seq-length 8192 --dry-run
+		--fl-group-size 32 --fl-hsdp-shard-size 4 --bf16 --micro-batch-size 2 --seq-length 8192 \
+		--recompute-activations --dry-run
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -88,3 +88,22 @@ def test_flags_doc_is_up_to_date():
     spec.loader.exec_module(module)
     assert (root / "docs" / "flags.md").read_text() == module.render(), \
         "docs/flags.md is stale: run python tools/gen_flags_doc.py"
+
+
+def test_dry_run_warns_when_the_memory_estimate_exceeds_the_device(capsys, monkeypatch):
+    """The README's 8B FL+HSDP layout: about 117 GiB per rank without activation recomputation
+    (a warning naming the fix), within 80 GiB with it; --device-memory-gib moves the limit."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--model", "llama3.1-8b", "--world-size", "512", "--ranks-per-node", "4", "--fl-group-size", "32",
+            "--fl-hsdp-shard-size", "4", "--bf16", "--micro-batch-size", "2", "--seq-length", "8192", "--dry-run"]
+
+    def warning(*extra):
+        assert main([*argv, *extra]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if "WARNING: the estimate" in line]
+        return lines[0] if lines else None
+
+    assert "exceeds the 80 GiB of one device" in warning() and "Try --recompute-activations" in warning()
+    assert warning("--recompute-activations") is None
+    assert warning("--device-memory-gib", "141") is None
+    assert "exceeds the 40 GiB" in warning("--recompute-activations", "--device-memory-gib", "40")

@@ -220,3 +220,35 @@ def test_dtypes_and_ranges(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="unsupported token dtype"):
         IndexedDatasetWriter(str(tmp_path / "f"), np.float32)
+
+
+def test_token_ids_beyond_the_vocabulary_are_found_before_training(tmp_path):
+    """The largest id against --vocab-size: exact on a small dataset, by evenly spaced blocks on
+    a large one; and the dry run refuses such data, naming the file and the id."""
+    import subprocess
+    import sys
+
+    from fl_megatron.data.token_range import largest_token_id, token_id_problem
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 4000, size=int(n)) for n in rng.integers(50, 400, size=60)]
+    docs[37][5] = 4711  # one id past a 4096 vocabulary, deep inside
+    prefix = _write(str(tmp_path / "wide"), docs, np.uint16)
+    ds = IndexedDataset(prefix)
+    assert largest_token_id(ds) == (max(int(d.max()) for d in docs), ds.num_tokens)
+    assert token_id_problem(ds, 4712) is None
+    problem = token_id_problem(ds, 4096)
+    assert f"{prefix} has token id 4711 among all its tokens, but --vocab-size is 4096" in problem
+    # a budget below the size reads SCAN_BLOCKS blocks spread over the file, the last one ending it
+    at_end = [*docs[:-1], np.concatenate([docs[-1], [9999]])]
+    big = IndexedDataset(_write(str(tmp_path / "big"), at_end, np.uint16))
+    largest, read = largest_token_id(big, budget=640)
+    assert largest == 9999 and read == 640 < big.num_tokens
+    assert "among 640 sampled of its" in token_id_problem(big, 4096, budget=640)
+    assert token_id_problem(big, 70000) is None  # uint16 cannot hold an id past the vocabulary
+
+    dry = subprocess.run([sys.executable, "-m", "fl_megatron.pretrain", "--model", "llama-tiny", "--vocab-size", "4096",
+                          "--data-path", prefix, "--world-size", "4", "--fl-group-size", "2", "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 2 and "has token id 4711 among all its tokens, but --vocab-size is 4096" in dry.stderr, \
+        dry.stderr[-2000:]

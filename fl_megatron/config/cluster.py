@@ -32,13 +32,16 @@ class ClusterConfig:
     compute_seconds: Optional[float] = field(default=None, metadata={
         "help": "compute time of one optimizer step per rank, seconds (default: from FLOPs, --peak-tflops "
                 "and --mfu)"})
+    device_memory_gib: float = field(default=80.0, metadata={
+        "help": "memory of one accelerator, GiB: --dry-run warns when its per-rank estimate exceeds it "
+                "(A100/H100 80 GB: 80, H200: 141)"})
     overlap: float = field(default=0.0, metadata={
         "help": "fraction of the in-group communication hidden behind compute, 0 to 1 (federation "
                 "syncs are blocking)"})
 
     def validate(self) -> None:
         errors = []
-        for name in ("inter_node_gbps", "intra_node_gbps", "peak_tflops"):
+        for name in ("inter_node_gbps", "intra_node_gbps", "peak_tflops", "device_memory_gib"):
             if not getattr(self, name) > 0:
                 errors.append(f"{name}={getattr(self, name)} must be positive")
         for name in ("inter_node_latency_us", "intra_node_latency_us"):

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..config.data import parse_data_path, parse_split
 from .indexed import IndexedDataset
+from .token_range import token_id_problem
 from .tokenizer import atomic_write_bytes
 
 INDEX_VERSION = 1
@@ -248,14 +249,18 @@ class MockSamples:
 
 
 def build_splits(data_path: Sequence[str], split: str, splits: Sequence[str], seq_length: int, seed: int,
-                 cache_dir: Optional[Path]) -> dict:
+                 cache_dir: Optional[Path], vocab_size: Optional[int] = None) -> dict:
     """The samples of each split in `splits` ("train", "valid", "test") of a (blended)
-    --data-path; every dataset is opened (and validated) once for all of them."""
+    --data-path; every dataset is opened (and validated) once for all of them, and with
+    `vocab_size` its token ids are checked to fit (see token_range)."""
     blend = parse_data_path(data_path)
     weights = parse_split(split)
     sources: dict = {which: [] for which in splits}
     for stream, (_, prefix) in enumerate(blend):
         dataset = IndexedDataset(prefix)
+        problem = token_id_problem(dataset, vocab_size) if vocab_size is not None else None
+        if problem:
+            raise ValueError(problem)
         ranges = split_ranges(len(dataset), weights)
         for which in splits:
             first, stop = ranges[SPLIT_NAMES.index(which)]

@@ -225,6 +225,11 @@ class IndexedDataset:
                 f"({'truncated' if bin_size < expected_bin else 'too long'})")
         self._bin = np.memmap(bin_path, dtype=self.dtype.newbyteorder("<"), mode="r")
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the dataset, back to back (memory-mapped: nothing is read until indexed)."""
+        return self._bin
+
     def _validate_pointers(self, fail) -> int:
         """Check lengths >= 0 and contiguous pointers from 0; return the token count."""
         lengths, pointers, size = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize

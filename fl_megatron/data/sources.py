@@ -29,5 +29,5 @@ def run_samples(data: DataConfig, seq_length: int, seed: int, vocab_size: int, w
     prefixes = list(data.data_path) if data.source == "indexed" else \
         [str(prepare_demo_data(cache, data.tokenizer_vocab_size).prefix)]
     splits = build_splits(prefixes, data.split, ["train", "valid"] if with_valid else ["train"],
-                          seq_length, seed, cache / "indices")
+                          seq_length, seed, cache / "indices", vocab_size)
     return splits["train"], splits.get("valid")

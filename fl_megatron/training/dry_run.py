@@ -85,6 +85,18 @@ def _start_lines(run: ResolvedRun) -> list[str]:
     return lines + [f"    note: {n}" for n in notes]
 
 
+def _memory_warning(cfg: RunConfig, total: float) -> list[str]:
+    """A warning, with what would help, when the estimate does not fit --device-memory-gib."""
+    limit = cfg.cluster.device_memory_gib * 2**30
+    if total <= limit:
+        return []
+    helps = [] if cfg.training.recompute_activations else ["--recompute-activations"]
+    helps += ["a smaller --micro-batch-size (more --global-batch-size accumulation)",
+              "more ranks per shard group (--fl-group-size, --fl-hsdp-shard-size)"]
+    return [f"  WARNING: the estimate, {format_bytes(total)} per rank, exceeds the {cfg.cluster.device_memory_gib:g} GiB "
+            f"of one device (--device-memory-gib): the run would run out of memory. Try " + ", ".join(helps) + "."]
+
+
 def _ada_lines(layout: Layout, num_params: int, fed) -> list[str]:
     """What one sync sends on each graph of the Ada ladder (bytes per rank, by tier)."""
     lines = ["  ada: per sync on each graph of its ladder (per rank):"]
@@ -135,6 +147,7 @@ def dry_run_report(run: ResolvedRun) -> str:
         f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}"
         f"{', activations recomputed' if t.recompute_activations else ''}):",
         *(f"    {k:<18} {format_bytes(v):>10}" for k, v in memory.items()),
+        *_memory_warning(cfg, memory["total"]),
         "",
         "  communication per rank (ring formulas, payload on the wire):",
         *_breakdown_lines(f"per optimizer step ({accum} micro-batch{'es' if accum > 1 else ''})", per_step),
