@@ -138,6 +138,29 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path):
     assert _same_parameters(ckpt, tmp_path / "ref_ckpt")
 
 
+def test_sigterm_to_torchrun_saves_but_torchrun_exits_1(tmp_path):
+    """What docs/failures.md says of SIGTERM sent to torchrun itself (not to the ranks): torchrun
+    forwards it, every rank saves at the agreed step and exits 0 within --shutdown-timeout, and
+    torchrun then exits 1 with its SignalException although the checkpoint is complete."""
+    cache, ckpt = tmp_path / "cache", tmp_path / "ckpt"
+    flags = [*ADAMW[:-6], "--train-iters", "200", "--eval-iters", "0", "--fl-group-size", "2",
+             "--fl-sync-interval", "4"]
+    cmd, env = pretrain_command(4, tmp_path / "run", cache, *flags, "--save", str(ckpt), "--exit-signal-handler")
+    cmd.insert(cmd.index("--nproc-per-node"), "--shutdown-timeout=120")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    stopped = int((ckpt / TRACKER).read_text())
+    assert stopped % 4 == 0 and "stopping after step" in out, out[-2000:] + err[-3000:]
+    assert proc.returncode == 1 and "SignalException" in err, (proc.returncode, err[-3000:])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["last_step"] == stopped and summary["stopped_early"], summary
+
+
 def test_fsdp2_resumes_on_other_group_sizes_and_group_counts(tmp_path):
     """Plain SGD with a sync every step equals sharded training on all data, whatever the
     grouping: a checkpoint of 2 groups x 2 ranks resumes on 2 ranks (2 groups x 1 rank, shards

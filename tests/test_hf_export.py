@@ -98,3 +98,66 @@ def test_init_from_hf_reads_each_rank_its_rows(checkpoint, tmp_path):
     assert all(torch.equal(started.tensor(n, 0), source.tensor(n, 0)) for n in source.names)
     proc = launch(4, tmp_path / "bad", tmp_path / "cache", "--init-from-hf", str(tmp_path / "hf"), "--hidden-size", "128")
     assert proc.returncode != 0 and "hidden_size 64 (Hugging Face) vs 128 (run)" in proc.stderr
+
+
+TEXTS = ["Hello world", "two  spaces and\nnewline", "  leading spaces", "The quick brown fox, 1234!", " leading space", "zz", ""]
+
+
+def _sentencepiece_model(path: Path, dummy_prefix: bool, vocab_size: int = 320) -> Path:
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    corpus = [f"{w} the quick brown fox jumps over {n} lazy dogs\n  and spaces" for n, w in
+              enumerate(["Hello", "world", "Token", "ids"] * 40)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, add_dummy_prefix=dummy_prefix,
+                                   bos_id=1, eos_id=2, unk_id=0, num_threads=1)
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def _tokenizer_json(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TEXTS * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer"])
+def test_export_with_the_runs_tokenizer_gives_autotokenizer_our_ids(checkpoint, tmp_path, kind):
+    """A run trained on a custom tokenizer: --tokenizer puts it in the export (a SentencePiece
+    model without or with its prefix space and BOS, or a tokenizer.json with a post-processor),
+    and AutoTokenizer on the directory gives our tokenizer's ids; config.json names bos/eos."""
+    import json
+
+    from fl_megatron.convert.from_checkpoint import convert
+    from fl_megatron.data.text_tokenizers import build_tokenizer
+
+    path = _tokenizer_json(tmp_path / "tokenizer.json") if kind == "HuggingFaceTokenizer" else \
+        _sentencepiece_model(tmp_path / "sp.model", dummy_prefix=kind == "Llama2Tokenizer")
+    out = convert(str(checkpoint), str(tmp_path / "hf"), dtype="fp32", log=lambda *_: None,
+                  tokenizer=str(path), tokenizer_type=kind)
+    ours = build_tokenizer(kind, path)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        if kind == "Llama2Tokenizer" and text.startswith(" "):
+            # tokenizers' Metaspace adds no prefix space before a leading space, SentencePiece does
+            # (a known difference; the models tools/train_tokenizer.py trains have no prefix space)
+            continue
+        assert theirs(text)["input_ids"] == ours.encode(text), (kind, text)
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == ours.eod_id == theirs.eos_token_id
+    assert config["bos_token_id"] == theirs.bos_token_id is not None
+    # a tokenizer larger than the model's vocabulary is not this model's: refused before any writing
+    big = _sentencepiece_model(tmp_path / "big.model", False, CheckpointReader(checkpoint).model_cfg.vocab_size + 8)
+    with pytest.raises(ValueError, match="is not the tokenizer this model was trained with"):
+        convert(str(checkpoint), str(tmp_path / "hf-big"), tokenizer=str(big))
+    assert not (tmp_path / "hf-big").exists()

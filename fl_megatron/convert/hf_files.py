@@ -141,7 +141,8 @@ def _shard_name(k: int, n: int) -> str:
 def write_hf_dir(out_dir: str | os.PathLike, config: dict[str, Any],
                  generation_config: dict[str, Any] | None,
                  tensors: Iterable[tuple[str, torch.Tensor]],
-                 max_shard_bytes: int = 5 * 1024 ** 3) -> dict[str, str]:
+                 max_shard_bytes: int = 5 * 1024 ** 3,
+                 extra_files: dict[str, bytes] | None = None) -> dict[str, str]:
     """Write an HF model directory from streamed (name, tensor) pairs; return the weight map.
 
     A shard is flushed before the tensor that would take it past `max_shard_bytes`, so at most
@@ -175,6 +176,8 @@ def write_hf_dir(out_dir: str | os.PathLike, config: dict[str, Any],
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if generation_config is not None:
             (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+        for name, data in (extra_files or {}).items():  # the tokenizer's files
+            (tmp / name).write_bytes(data)
         if out.exists() and any(out.iterdir()):
             raise ValueError(f"output directory {out} was filled while writing")
         os.replace(tmp, out)

@@ -1,0 +1,82 @@
+"""The run's tokenizer for a Hugging Face directory: files `AutoTokenizer` loads to give the same
+ids as our tokenizer, and the special-token ids config.json and generation_config.json name.
+
+A SentencePiece `.model` becomes tokenizer.model plus a tokenizer_config.json for transformers'
+LlamaTokenizer (built from the model's pieces), with its prefix space as the model has it and a
+BOS only for Megatron-LM's Llama2Tokenizer type. A `tokenizer.json` is copied as it is, loaded
+with PreTrainedTokenizerFast (its post-processor adds what ours adds).
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..data.text_tokenizers import HUGGINGFACE_TYPE, SENTENCEPIECE_TYPES, build_tokenizer
+
+HF_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + (HUGGINGFACE_TYPE,)
+
+
+@dataclass
+class ExportedTokenizer:
+    """What an export writes for a tokenizer."""
+
+    files: dict = field(default_factory=dict)  # file name -> bytes
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    description: str = ""
+    vocab_size: int = 0
+
+
+def default_type(path: Path) -> str:
+    """A `.model` file is SentencePiece (no BOS), anything else a Hugging Face tokenizer.json."""
+    return "GPTSentencePieceTokenizer" if Path(path).suffix == ".model" else HUGGINGFACE_TYPE
+
+
+def export_tokenizer(path, tokenizer_type: Optional[str] = None) -> ExportedTokenizer:
+    """The files and special ids for the tokenizer at `path` (ValueError / FileNotFoundError when
+    it cannot be loaded). `tokenizer_type`: Megatron-LM's name, as given to preprocessing."""
+    kind = tokenizer_type or default_type(Path(path))
+    if kind not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {kind!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    ours = build_tokenizer(kind, path)
+    if kind == HUGGINGFACE_TYPE:
+        return _huggingface(ours)
+    return _sentencepiece(ours, kind)
+
+
+def _sentencepiece(ours, kind: str) -> ExportedTokenizer:
+    sp = ours._tok._sp
+    piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
+    bos = sp.bos_id() if sp.bos_id() >= 0 else None
+    prefix_space = sp.encode_as_pieces("a")[0].startswith("\u2581")  # the model's add_dummy_prefix
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": kind == "Llama2Tokenizer",
+              "add_eos_token": False, "add_prefix_space": prefix_space, "legacy": False,
+              "bos_token": piece(sp.bos_id()), "eos_token": piece(ours.eod_id), "unk_token": piece(sp.unk_id()),
+              "pad_token": piece(sp.pad_id()), "model_max_length": 1 << 30}
+    files = {"tokenizer.model": Path(ours.model_path).read_bytes(), "tokenizer_config.json": _json(config)}
+    return ExportedTokenizer(files, bos, ours.eod_id, f"SentencePiece {ours.model_path} ({kind})", ours.vocab_size)
+
+
+def _huggingface(ours) -> ExportedTokenizer:
+    vocab = ours._tok.get_vocab(with_added_tokens=True)
+    first = lambda names: next((n for n in names if n in vocab), None)  # noqa: E731
+    bos = first(HF_BOS_CANDIDATES)
+    eos = ours._tok.id_to_token(ours.eod_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "model_max_length": 1 << 30}
+    files = {"tokenizer.json": Path(ours.model_path).read_bytes(), "tokenizer_config.json": _json(config)}
+    return ExportedTokenizer(files, vocab[bos] if bos else None, ours.eod_id, f"Hugging Face {ours.model_path}",
+                             ours.vocab_size)
+
+
+def _json(data: dict) -> bytes:
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+def with_special_ids(config: dict, tokenizer: Optional[ExportedTokenizer]) -> dict:
+    """`config` (config.json or generation_config.json) naming the tokenizer's BOS and EOS."""
+    if tokenizer is None:
+        return config
+    return {**config, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
