@@ -33,6 +33,8 @@ setup(
         # --tensorboard-dir writes TensorBoard event files; --wandb-project logs to Weights & Biases
         "tensorboard": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.17"],
+        # loading exported Hugging Face directories (the README's CPU path generates with it)
+        "hf": ["transformers>=4.45", "tokenizers>=0.19"],
         # tools/plot_runs.py and the two-tier benchmark's figures
         "plots": ["matplotlib>=3.7"],
         # the peer rows of tools/bench_cluster.py (torchft LocalSGD and DiLoCo)
