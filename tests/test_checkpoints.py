@@ -221,3 +221,19 @@ def test_which_checkpoint_load_resumes(tmp_path):
         resume_source(CheckpointConfig(load=str(root / "iter_0000004"), load_iteration=8))
     with pytest.raises(ValueError, match="needs --load DIR"):
         CheckpointConfig(load_iteration=4).validate()
+
+
+def test_state_kept_beside_the_shards_loads_onto_their_device():
+    """Outer anchors and residuals load where the rank's shards are (cuda:N on local rank N),
+    not on the mesh's device type ("cuda" alone is cuda:0 for safetensors)."""
+    from fl_megatron.checkpoint.manager import shard_device
+
+    class Shards:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def local_shards(self):
+            return self.tensors
+
+    assert shard_device(Shards([torch.empty(3, device="meta")])) == torch.device("meta")
+    assert shard_device(Shards([])) == torch.device("cpu")

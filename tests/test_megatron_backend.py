@@ -25,9 +25,13 @@ pytestmark = pytest.mark.timeout(900)
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint_to_hf.py"
 
 
-def _losses(run_dir: str) -> list[float]:
+def _records(run_dir: str) -> list[dict]:
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
+    return [r for r in records if "loss" in r]
+
+
+def _losses(run_dir: str) -> list[float]:
+    return [r["loss"] for r in _records(run_dir)]
 
 
 def _adamw(cfg, steps=10, arch="llama"):
@@ -57,6 +61,8 @@ def _exactness_job(rank, world, tmp, cache):
     _, fl = train_and_gather(mg("fl", group_size=2, sync_interval=1))
     _, fsdp2 = train_and_gather(fs("fsdp2", group_size=4))
     out["fl_vs_all4"], out["all4_vs_fsdp2"] = max_diff(fl, all4), max_diff(all4, fsdp2)
+    # without clipping megatron-core reports no norm: ours measures it, as FSDP2 does
+    out["grad_norms"] = [[r["grad_norm"] for r in _records(f"{tmp}/{name}")] for name in ("all4", "fsdp2")]
     # 10 AdamW steps, clipping, cosine schedule, FL+FSDP with H = 4: megatron against FSDP2
     for arch in ("llama", "gpt"):
         for layout, kw in (("fsdp", dict(group_size=2)), ("hsdp", dict(group_size=2, shard_size=1))):
@@ -94,6 +100,9 @@ def test_megatron_backend_matches_megatron_core_over_all_ranks_and_fsdp2(tmp_pat
     for rank, r in enumerate(results):
         assert r["fl_vs_all4"] <= 1e-5, (rank, r)
         assert r["all4_vs_fsdp2"] <= 1e-5, (rank, r)
+        megatron, fsdp2 = r["grad_norms"]
+        assert len(megatron) == len(fsdp2) > 0 and min(megatron) > 0, r["grad_norms"]
+        assert max(abs(a - b) / b for a, b in zip(megatron, fsdp2)) <= 1e-4, r["grad_norms"]
         for name in ("llama-fsdp", "llama-hsdp", "gpt-fsdp"):
             assert r[f"loss_gap_{name}"] <= 1e-4, (rank, name, r)
             assert r[f"param_gap_{name}"] <= 1e-4, (rank, name, r)

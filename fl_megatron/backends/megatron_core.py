@@ -200,9 +200,12 @@ class MegatronBackend:
         ok, norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("megatron-core's optimizer skipped the step (non-finite gradients)")
+        if not self.optimizer.config.clip_grad > 0:  # megatron-core reports 0.0 when it does not clip
+            norm = self.optimizer.get_grad_norm()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return torch.tensor(float(norm or 0.0)), lr
+        # on the rank's device, like the loss it is reduced with (a float from megatron-core)
+        return torch.tensor(float("nan") if norm is None else float(norm), device=self.device), lr
 
     @compat_method
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -21,6 +21,13 @@ from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_fil
                     rng_file, staging_dir, write_text_durably)
 
 
+def shard_device(backend) -> torch.device:
+    """Where this rank's shards live, so the state kept beside them (outer anchors, residuals)
+    loads there: "cuda" alone would mean cuda:0 on every rank of a node."""
+    shards = backend.local_shards()
+    return shards[0].device if shards else torch.device("cpu")
+
+
 BYTE_COUNTERS = "byte_counters"  # this rank's CommLedger totals, kept beside its random states
 
 
@@ -157,7 +164,7 @@ class Checkpointer:
         outer = outer_file(path, self.rank)
         same_cut = saved_fed.get("fragments", 1) == fed.fragments
         if meta["layout"]["world_size"] == self.run.layout.world_size and same_cut and outer.is_file():
-            self.engine.load_state_tensors(load_file(str(outer), device=str(self.engine.groups.mesh.device_type)))
+            self.engine.load_state_tensors(load_file(str(outer), device=str(shard_device(self.backend))))
         elif self.engine.outer is not None or fed.error_feedback:
             self.engine.restart_outer_state()
             notes.append("outer optimizer state and error-feedback residuals restarted from the loaded weights "
