@@ -14,8 +14,9 @@ setup(
     package_data={"fl_megatron.data": ["corpus/*.jsonl.gz"]},
     install_requires=[
         # Install torch first on CPU-only machines (pip install torch==2.13.0) so that pip does
-        # not pull a CUDA build; on GPU nodes any torch >= 2.6 with FSDP2 works.
-        "torch>=2.6",
+        # not pull a CUDA build; on GPU nodes a CUDA build of torch >= 2.13 (the floor in
+        # fl_megatron/torch_version.py: the version the tests run on).
+        "torch>=2.13",
         "numpy>=1.24",
         "sentencepiece>=0.2",
         # checkpoints (random states) and Hugging Face export/import

@@ -17,9 +17,15 @@ REPORTER_HEAD_START_S = 3.0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
     from .config.flags import parse_args
+    from .torch_version import torch_version_problem
     from .training.launch import read_launch_env
 
+    problem = torch_version_problem(torch.__version__)
+    if problem:
+        return _fail(problem)
     try:
         cfg, ns = parse_args(argv)
         env = read_launch_env()

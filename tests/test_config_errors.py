@@ -198,3 +198,27 @@ def test_data_errors_fail_before_process_groups(launched, capsys, tmp_path):
     with open(broken + ".bin", "r+b") as f:
         f.truncate(100)
     _fails(capsys, BASE + ["--data-path", broken], "broken.bin", "truncated")
+
+
+def test_the_torch_floor_is_one_version_everywhere_and_refused_below(monkeypatch, capsys):
+    """setup.py, the README and the start-up check name the same floor; an older torch is
+    refused before anything starts, with the fix named."""
+    from pathlib import Path
+
+    import torch
+
+    from fl_megatron.pretrain import main
+    from fl_megatron.torch_version import TORCH_FLOOR, torch_version_problem
+
+    root = Path(__file__).resolve().parents[1]
+    floor = ".".join(map(str, TORCH_FLOOR))
+    assert f'"torch>={floor}"' in (root / "setup.py").read_text()
+    assert f"torch >= {floor}" in (root / "README.md").read_text()
+    assert torch_version_problem(torch.__version__) is None
+    assert torch_version_problem(f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] + 1}.0") is None
+    assert torch_version_problem("3.0.0") is None
+    old = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.0+cu124"
+    assert f"needs torch >= {floor}" in torch_version_problem(old) and old in torch_version_problem(old)
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    assert main(["--model", "llama-tiny", "--world-size", "4", "--dry-run"]) == 2
+    assert f"needs torch >= {floor} (the version it is tested with), found 2.6.0+cu124" in capsys.readouterr().err

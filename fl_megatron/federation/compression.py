@@ -96,7 +96,7 @@ def compressed_mean_(region: torch.Tensor, group, dtype: str, *, include: bool =
     mine = codec.encode(mean)
     gathered = [part.new_empty((size, *part.shape)) for part in mine]
     for out, inp in zip(gathered, mine):
-        dist.all_gather_single(out.view(-1), inp, group=group)
+        dist.all_gather_into_tensor(out.view(-1), inp, group=group)
     whole = torch.cat([codec.decode([part[j] for part in gathered]) for j in range(size)])
     region.copy_(whole[:n])
     return sum(part.numel() * part.element_size() for part in sent)

@@ -1,0 +1,19 @@
+"""The oldest torch fl-megatron runs on: the version its tests run on (FSDP2's public API,
+DeviceMesh backend overrides, group_src/group_peer arguments and gloo's collectives as used
+here are checked there and nowhere older). setup.py and the README state the same floor."""
+
+import re
+
+TORCH_FLOOR = (2, 13)
+
+
+def torch_version_problem(version: str) -> str | None:
+    """What is wrong with torch `version` ("2.6.0+cu124"), or None when it is new enough."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return f"cannot read the torch version {version!r}"
+    if (int(match.group(1)), int(match.group(2))) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        return (f"fl-megatron needs torch >= {floor} (the version it is tested with), found {version}: "
+                f"pip install 'torch>={floor}' (a CUDA build on GPU nodes, the CPU wheel elsewhere; see the README)")
+    return None
