@@ -222,3 +222,35 @@ def test_the_torch_floor_is_one_version_everywhere_and_refused_below(monkeypatch
     monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
     assert main(["--model", "llama-tiny", "--world-size", "4", "--dry-run"]) == 2
     assert f"needs torch >= {floor} (the version it is tested with), found 2.6.0+cu124" in capsys.readouterr().err
+
+
+def test_every_non_finite_number_is_refused_naming_the_field(tmp_path, capsys, monkeypatch):
+    """nan, inf and -inf in every float field, as a flag and in a --config file, and in the
+    DeepSpeed JSON: the dry run exits 2 naming section.field (before, --lr nan passed)."""
+    import dataclasses
+    import json
+    import typing
+
+    from fl_megatron.config.flags import flag_name
+    from fl_megatron.config.run import SECTIONS, RunConfig
+    from fl_megatron.pretrain import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    base = ["--model", "llama-tiny", "--world-size", "4", "--dry-run"]
+    floats = [(section, f.name) for section in SECTIONS for f in dataclasses.fields(getattr(RunConfig(), section))
+              if float in (typing.get_args(typing.get_type_hints(type(getattr(RunConfig(), section)))[f.name]) or
+                           (typing.get_type_hints(type(getattr(RunConfig(), section)))[f.name],))]
+    assert len(floats) >= 15 and ("training", "lr") in floats and ("federation", "sick_loss_ratio") in floats
+    for i, (section, name) in enumerate(floats):
+        value = ("nan", "inf", "-inf")[i % 3]
+        assert main([*base, f"{flag_name(section, name)}={value}"]) == 2, (section, name)
+        assert f"not a finite number: {section}.{name}={float(value)!r}" in capsys.readouterr().err
+        config = tmp_path / f"{section}.{name}.json"
+        config.write_text(json.dumps({section: {name: float(value)}}))  # NaN / Infinity literals
+        assert main([*base, "--config", str(config)]) == 2, (section, name)
+        assert f"{section}.{name}=" in capsys.readouterr().err
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"eps": NaN}}}')
+    assert main([*base, "--deepspeed", "--deepspeed_config", str(ds)]) == 2
+    assert "deepspeed.optimizer.params.eps=nan" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def assert_clean(argv: list[str]) -> int:
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(-2**40, 2**62),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
                     st.sampled_from(["", "0", "-1", "1e400", "nan", "auto", "fp32", "int8", "ring", "adam"]))
-JSON_VALUES = st.recursive(SCALARS.filter(lambda v: not (isinstance(v, float) and v != v)),
+JSON_VALUES = st.recursive(SCALARS,  # NaN and Infinity included: json.dumps writes them, json.loads reads them
                            lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                    st.dictionaries(st.text(max_size=8), inner, max_size=3)),
                            max_leaves=6)
@@ -247,9 +247,13 @@ def test_fuzz_checkpoints(saved_checkpoint, tmp_path_factory, data):
 
 
 def test_damaged_tokens_stop_the_run_with_an_error(tmp_path):
-    """Flipped bytes in a .bin are token ids the dry run does not read (it would have to scan the
-    whole file); the rank that meets one stops with an error naming it, the others follow."""
+    """Flipped bytes in a .bin are token ids past the vocabulary: the dry run and every rank's
+    start-up check (all tokens of a file up to 16 Mi, evenly spaced blocks beyond) refuse the
+    file naming the id; a token the bounded scan did not read stops training at its batch."""
+    import torch
+
     from cli_utils import SGD, launch
+    from fl_megatron.training.run_data import DataError, next_token_loss
 
     rng = np.random.default_rng(0)
     with IndexedDatasetWriter(tmp_path / "d", dtype=np.uint16) as w:
@@ -260,11 +264,14 @@ def test_damaged_tokens_stop_the_run_with_an_error(tmp_path):
     (tmp_path / "d.bin").write_bytes(bytes(raw))
     flags = [*SGD, "--train-iters", "3", "--data-path", str(tmp_path / "d"), "--split", "100,0,0",
              "--eval-iters", "0", "--fl-group-size", "1", "--distributed-timeout-minutes", "0.5"]
-    assert assert_clean([*flags, "--world-size", "2", "--model", "llama-tiny", *TINY_DATA]) == 0
+    message = f"{tmp_path / 'd'} has token id 60000 among all its tokens, but --vocab-size is 512"
+    assert assert_clean([*flags, "--world-size", "2", "--model", "llama-tiny", *TINY_DATA]) == 2
+    assert message in dry_run([*flags, "--world-size", "2", "--model", "llama-tiny", *TINY_DATA])[1]
     proc = launch(2, tmp_path / "run", tmp_path / "cache", *flags, timeout=240)
-    assert proc.returncode != 0
-    assert "the data holds token id 60000 but the model's vocab_size is 512" in proc.stderr
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
     assert not re.search(r"\[rank\d\]: Traceback", proc.stderr)  # torchrun's own traceback for a failed child aside
+    with pytest.raises(DataError, match="the data holds token id 60000 but the model's vocab_size is 512"):
+        next_token_loss(None, torch.tensor([[1, 2, 60000, 3]]), 512, torch.device("cpu"))
 
 
 def test_the_dry_run_opens_the_checkpoint_and_data_the_run_would(saved_checkpoint, tmp_path):

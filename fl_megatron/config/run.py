@@ -10,6 +10,7 @@ from .checkpoint import CheckpointConfig
 from .cluster import ClusterConfig
 from .data import DataConfig
 from .deepspeed_json import train_batch_problem
+from .finite import nonfinite_fields, nonfinite_in_json
 from .model import ModelConfig
 from .parallel import FederationConfig, ParallelConfig
 from .training import TrainingConfig
@@ -71,6 +72,11 @@ class RunConfig:
 
     def validate(self, world_size: int, local_world_size: Optional[int] = None) -> Layout:
         """Check every section and their combination for `world_size` ranks; return the layout."""
+        nonfinite = nonfinite_fields({name: getattr(self, name) for name in SECTIONS})
+        nonfinite += list(nonfinite_in_json(self.deepspeed or {}, "deepspeed"))
+        if nonfinite:
+            raise ValueError(f"not a finite number: {', '.join(nonfinite)} (every number in flags, --config "
+                             "and the DeepSpeed JSON must be finite)")
         for name in SECTIONS:
             getattr(self, name).validate()
         layout = self.layout(world_size, local_world_size)
