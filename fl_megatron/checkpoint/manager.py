@@ -1,7 +1,10 @@
 """Saving and resuming a whole run (collective: every rank calls the same methods in order)."""
 
 import json
+import sys
+import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -75,6 +78,8 @@ class Checkpointer:
         self.is_writer = rank == 0
         self.group = engine.groups.coords[0]
         self.replica = engine.groups.coords[1]
+        self._pruner: Optional[threading.Thread] = None  # rank 0 deleting old checkpoints
+        self._prune_error: Optional[BaseException] = None
 
     # --- saving ---------------------------------------------------------------------------
     def save(self, iteration: int) -> Path:
@@ -92,6 +97,7 @@ class Checkpointer:
     def _save(self, root: Path, iteration: int) -> Path:
         if self.engine.flight is not None:  # a sync in flight (--fl-overlap-steps) lands first
             self.engine.land()
+        self.finish_pruning()
         compact = self.options.ckpt_mode == "compact"
         if compact and self.engine.active and self.engine.last_synced_step != iteration:
             self.engine.sync(iteration)
@@ -122,10 +128,34 @@ class Checkpointer:
             meta["manifest"] = manifest(staging)
             write_text_durably(staging / METADATA, json.dumps(meta, indent=1) + "\n")
             publish(root, iteration)
-            if self.options.keep_last:
-                prune(root, self.options.keep_last)
         dist.barrier()
+        if self.is_writer and self.options.keep_last:
+            self._start_pruning(root)
         return iteration_dir(root, iteration)
+
+    def _start_pruning(self, root: Path) -> None:
+        """Delete checkpoints past --keep-last in the background: the new one is published, and
+        deleting a large old one (minutes on a parallel file system) must not hold up training."""
+        def work() -> None:
+            try:
+                prune(root, self.options.keep_last)
+            except OSError as e:
+                self._prune_error = e
+
+        self._pruner = threading.Thread(target=work, name="fl-megatron-prune", daemon=True)
+        self._pruner.start()
+
+    def finish_pruning(self) -> None:
+        """Wait for the deletion of old checkpoints (before the next save and at the end); a
+        failure to delete is reported, not fatal: the checkpoints kept are complete."""
+        if self._pruner is None:
+            return
+        self._pruner.join()
+        self._pruner = None
+        if self._prune_error is not None:
+            error, self._prune_error = self._prune_error, None
+            print(f"fl_megatron.pretrain: warning: could not delete old checkpoints under {self.options.save}: "
+                  f"{error}", file=sys.stderr, flush=True)
 
     def _writes_group(self) -> bool:
         """DeepSpeed and megatron: one replica per HSDP group writes (the others hold the same

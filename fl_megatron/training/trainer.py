@@ -375,6 +375,7 @@ class Trainer:
 
     def close(self) -> None:
         self.engine.close()
+        self.checkpointer.finish_pruning()
         self.records.close()
 
     def abandon(self) -> None:
