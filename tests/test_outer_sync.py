@@ -302,3 +302,34 @@ def test_every_sync_option_on_every_backend(tmp_path):
             # launched at 2 (group 1 sick), landed at 3; launched at 4, landed at 5; blocking at 6
             assert got["sick"] == [[1], [], []], (backend, got)
             assert got["identical"] and got["finite"], (backend, got)
+
+
+def _hsdp_overlap_job(rank, world, tmp, cache):
+    """FL+HSDP (2 groups of 2 replicas x 2 shards) with a sync in flight every other step: the
+    exchange's thread gathers replica slices while training all-reduces gradients over the
+    replicas. On communicators of its own, the threaded run equals, bit for bit, the same run
+    with every exchange done at its launch (no thread)."""
+    from fl_megatron.federation.overlap import Overlapper
+
+    out = {}
+    for threaded in (True, False):
+        cfg = tiny_config(f"{tmp}/hsdp-{threaded}", cache, group_size=4, shard_size=2, optimizer="adamw", lr=3e-3,
+                          steps=6, sync_interval=2)
+        cfg.federation.overlap_steps, cfg.federation.inner_state = 1, "average"
+        trainer = make_trainer(cfg)
+        if not threaded:
+            trainer.engine.overlapper.close()
+            trainer.engine.overlapper = Overlapper(threaded=False)
+        groups = trainer.groups
+        out["own_groups"] = groups.exchange_peer is not groups.peer and groups.exchange_replica is not groups.replica
+        trainer.train()
+        out[threaded] = trainer.backend.full_state_dict()
+        trainer.close()
+    out["max_diff"] = max_diff(out.pop(True), out.pop(False))
+    return out
+
+
+def test_hsdp_overlap_on_its_own_communicators_matches_the_unthreaded_run(tmp_path):
+    results = run_ranks(8, _hsdp_overlap_job, str(tmp_path), str(tmp_path / "cache"), timeout=800)
+    for r in results:
+        assert r["own_groups"] and r["max_diff"] == 0.0, r

@@ -49,9 +49,16 @@ class FederationEngine:
         self.ledger = ledger if ledger is not None else CommLedger()
         layout = groups.layout
         _, replica_index, _ = groups.coords
+        # with a sync in flight the exchange runs in a thread: on communicators of its own
+        peer = getattr(groups, "exchange_peer", None) or groups.peer
+        replica = (getattr(groups, "exchange_replica", None) or groups.replica) if layout.is_hsdp else None
+        if self.active and config.overlap_steps and peer is groups.peer:
+            raise ValueError("--fl-overlap-steps needs the exchange's own process groups: "
+                             "build_process_groups(..., exchange=True)")
+
         def averager(**compression) -> ShardAverager:
             return ShardAverager(
-                groups.peer, layout.num_groups, replica_group=groups.replica if layout.is_hsdp else None,
+                peer, layout.num_groups, replica_group=replica,
                 replicas=layout.replicas, replica_index=replica_index, replica_split=config.replica_split,
                 bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
                 peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), **compression)
@@ -155,7 +162,7 @@ class FederationEngine:
         """Wait for the sync in flight and merge it (a checkpoint calls this before saving)."""
         flight, self.flight = self.flight, None
         start = time.perf_counter()
-        stats = flight.future.result()
+        stats = self.overlapper.wait(flight)
         shards = self.backend.local_shards()
         Overlapper.land(flight, self.outers[flight.fragment], self._fragments(shards)[flight.fragment])
         self._inner_state(stats, flight.include, flight.contributors, flight.fragment)
@@ -262,7 +269,7 @@ class FederationEngine:
     def close(self) -> None:
         if self.overlapper is not None:
             if self.flight is not None:
-                self.flight.future.result()
+                self.overlapper.wait(self.flight)
                 self.flight = None
             self.overlapper.close()
 

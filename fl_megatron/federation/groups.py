@@ -21,6 +21,10 @@ class ProcessGroups:
     shard_mesh: DeviceMesh
     # every rank of this rank's federation group (the shard group itself unless HSDP)
     federation: dist.ProcessGroup
+    # communicators of their own for a sync in flight (--fl-overlap-steps): the background
+    # exchange's peer and HSDP replica groups, never shared with the training thread's collectives
+    exchange_peer: Optional[dist.ProcessGroup] = None
+    exchange_replica: Optional[dist.ProcessGroup] = None
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -63,9 +67,11 @@ def _timeout_options(device_type: str, timeout: timedelta):
     return backend, options
 
 
-def build_process_groups(layout: Layout, device_type: str, timeout: Optional[timedelta] = None) -> ProcessGroups:
+def build_process_groups(layout: Layout, device_type: str, timeout: Optional[timedelta] = None,
+                         exchange: bool = False) -> ProcessGroups:
     """Create every group on every rank (collective: all ranks call it in the same order), each
-    with `timeout` (None: torch's default for subgroups).
+    with `timeout` (None: torch's default for subgroups). `exchange`: also the background
+    exchange's own peer and replica groups (a federated run with --fl-overlap-steps).
 
     The sharding mesh is 1-D (shard) for FSDP inside the group and 2-D (replica, shard) for HSDP.
     """
@@ -84,5 +90,10 @@ def build_process_groups(layout: Layout, device_type: str, timeout: Optional[tim
         federation, _ = dist.new_subgroups_by_enumeration(federation_groups(layout), timeout=timeout)
     else:
         federation = mesh.get_group(MESH_DIM_NAMES[2])
+    exchange_peer = exchange_replica = None
+    if exchange and layout.is_federated:
+        exchange_peer, _ = dist.new_subgroups_by_enumeration(peer_groups(layout), timeout=timeout)
+        if layout.is_hsdp:
+            exchange_replica, _ = dist.new_subgroups_by_enumeration(replica_groups(layout), timeout=timeout)
     return ProcessGroups(layout=layout, rank=dist.get_rank(), mesh=mesh, shard_mesh=shard_mesh,
-                         federation=federation)
+                         federation=federation, exchange_peer=exchange_peer, exchange_replica=exchange_replica)

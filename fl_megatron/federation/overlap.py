@@ -12,10 +12,17 @@ This is the delayed variant: the outer update is the one computed from the state
 K steps later, with no local estimate of it (the "eager" variant's proxy). We chose it because
 it needs no extra outer computation per step and keeps each group's steps since t intact. A
 group found sick at launch discards its own progress and takes the new anchor.
+
+The thread has communicators of its own (ProcessGroups.exchange_peer / exchange_replica): the
+training thread's collectives and the exchange's never share one, so their order on each
+communicator is the same on every rank. On CUDA the thread works on the rank's own device and
+on a stream of its own: it starts after the launch's copies (an event on the training stream)
+and training waits for it only at landing, so the exchange overlaps compute.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -37,10 +44,13 @@ class InFlight:
 
 
 class Overlapper:
-    """Launches averages in one background thread and merges them when they land."""
+    """Launches averages in one background thread and merges them when they land. `threaded`
+    False runs each average at its launch instead (the same arithmetic in the same order: the
+    reference the threaded path is tested against)."""
 
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-sync")
+    def __init__(self, threaded: bool = True) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-sync") if threaded else None
+        self.stream: Optional["torch.cuda.Stream"] = None  # the exchange's CUDA stream, made at first use
 
     @torch.no_grad()
     def launch(self, average, outer, shards: list, **fields) -> InFlight:
@@ -48,7 +58,31 @@ class Overlapper:
         own = [s.clone() for s in shards]
         outer.to_pseudo_gradients(own)
         averaged = [o.clone() for o in own]
-        return InFlight(future=self.pool.submit(average, averaged), averaged=averaged, own=own, **fields)
+        device = averaged[0].device if averaged else torch.device("cpu")
+        if self.pool is None:
+            future: Future = Future()
+            future.set_result(average(averaged))
+        elif device.type == "cuda":
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device=device)
+            ready = torch.cuda.current_stream(device).record_event()  # the copies above are done
+            future = self.pool.submit(self._on_stream, average, averaged, device, ready)
+        else:
+            future = self.pool.submit(average, averaged)
+        return InFlight(future=future, averaged=averaged, own=own, **fields)
+
+    def _on_stream(self, average, averaged: list, device: torch.device, ready):
+        """The exchange in the thread: the rank's device (a thread starts on cuda:0), its own stream."""
+        with torch.cuda.device(device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            return average(averaged)
+
+    def wait(self, flight: InFlight):
+        """The landed average's statistics; on CUDA the training stream then waits for the exchange's."""
+        stats = flight.future.result()
+        if self.stream is not None and flight.averaged and flight.averaged[0].is_cuda:
+            torch.cuda.current_stream(flight.averaged[0].device).wait_stream(self.stream)
+        return stats
 
     @staticmethod
     @torch.no_grad()
@@ -66,4 +100,5 @@ class Overlapper:
                 shard.copy_(new)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)

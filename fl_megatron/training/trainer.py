@@ -66,7 +66,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data(samples)
         self.groups = build_process_groups(self.layout, self.device.type,
-                                           timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+                                           timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+                                           exchange=bool(cfg.federation.overlap_steps))
         self.group = self.groups.coords[0]
         # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
         self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)
