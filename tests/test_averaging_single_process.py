@@ -130,3 +130,28 @@ def test_sync_due_default_is_federated():
 def test_sync_due_rejects_step_below_one(step):
     with pytest.raises(ValueError):
         sync_due(step, 1, False)
+
+
+def test_gather_slices_on_nccl_gathers_in_place_into_the_owners_slices(monkeypatch):
+    """The non-gloo branch of gather_slices (NCCL's in-place all_gather_into_tensor), in one
+    process against a fake group of 2: this rank owns slice 1, passes it as the input aliasing
+    its place in the output, and ends with every owner's slice in order."""
+    from fl_megatron.federation import averaging
+
+    buffer = torch.full((12,), -1.0)
+    buffer[6:] = torch.arange(6.0, 12.0)  # slice 1: averaged by this rank
+    peer_slice = torch.arange(0.0, 6.0)   # slice 0: averaged by the other replica
+    seen = []
+
+    def all_gather_into_tensor(output, inp, group=None):
+        seen.append((output.data_ptr() == buffer.data_ptr(), inp.data_ptr() == buffer[6:].data_ptr(),
+                     group))
+        output.copy_(torch.cat([peer_slice, inp.clone()]))
+
+    group = object()
+    monkeypatch.setattr(averaging.dist, "get_backend", lambda g: "nccl")
+    monkeypatch.setattr(averaging.dist, "get_world_size", lambda g: 2)
+    monkeypatch.setattr(averaging.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    averaging.gather_slices(buffer, 1, group)
+    assert seen == [(True, True, group)]
+    assert torch.equal(buffer, torch.arange(12.0))
