@@ -5,6 +5,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# where pip finds torch: unset, PyPI (a CUDA build on Linux x86-64); for the CPU wheel on a
+# machine with internet, TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+# the demo and the tests run CPU ranks on gloo even where GPUs are (see FL_MEGATRON_DEVICE)
+export FL_MEGATRON_DEVICE ?= cpu
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
@@ -16,7 +21,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q \
+		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	touch $@
 
 $(VENV)/.package: setup.py $(VENV)/.torch

@@ -52,3 +52,32 @@ def test_bad_values_are_named(clean_env):
 def test_multi_node_needs_a_master_address(clean_env):
     with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
         init_distributed(LaunchEnv(0, 8, 0, 4), timeout_minutes=1)
+
+
+def test_device_choice_one_gpu_per_rank_or_cpu(monkeypatch):
+    """cuda:LOCAL_RANK where torch sees GPUs, the CPU otherwise; FL_MEGATRON_DEVICE forces it;
+    more ranks on a node than GPUs is refused with the fix (a 1-GPU box once put 4 ranks on cuda:0)."""
+    import pytest
+    import torch
+
+    from fl_megatron.training.launch import LaunchEnv
+
+    env = LaunchEnv(rank=5, world_size=8, local_rank=1, local_world_size=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("FL_MEGATRON_DEVICE", raising=False)
+    assert env.device == torch.device("cuda", 1)
+    monkeypatch.setenv("FL_MEGATRON_DEVICE", "cpu")
+    assert env.device == torch.device("cpu")
+    monkeypatch.setenv("FL_MEGATRON_DEVICE", "auto")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="local rank 1 has no GPU of its own: this node has 1 and 4 ranks"):
+        env.device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert env.device == torch.device("cpu")
+    monkeypatch.setenv("FL_MEGATRON_DEVICE", "cuda")
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        env.device
+    monkeypatch.setenv("FL_MEGATRON_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="is not one of auto, cpu, cuda"):
+        env.device

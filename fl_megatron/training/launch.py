@@ -21,9 +21,22 @@ class LaunchEnv:
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
+        """One GPU per rank where CUDA is available (cuda:LOCAL_RANK), else the CPU with gloo.
+        FL_MEGATRON_DEVICE=cpu forces CPU ranks (the demo and the tests on a GPU machine);
+        more ranks on a node than GPUs is refused (NCCL cannot put two ranks on one GPU)."""
+        choice = os.environ.get("FL_MEGATRON_DEVICE", "auto")
+        if choice not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"FL_MEGATRON_DEVICE={choice!r} is not one of auto, cpu, cuda")
+        if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ValueError("FL_MEGATRON_DEVICE=cuda but torch sees no GPU (a CPU build of torch, or no driver)")
+        count = torch.cuda.device_count()
+        if self.local_rank >= count:
+            raise ValueError(f"local rank {self.local_rank} has no GPU of its own: this node has {count} and "
+                             f"{self.local_world_size} ranks; launch at most {count} per node, or set "
+                             "FL_MEGATRON_DEVICE=cpu for CPU ranks on gloo")
+        return torch.device("cuda", self.local_rank)
 
 
 def _int_env(names: tuple[str, ...], default: int | None) -> int | None:
