@@ -123,3 +123,28 @@ def test_a_peer_still_exiting_when_its_connection_drops_is_named(tmp_path):
         assert tracker.explain(RuntimeError("shape mismatch")) is None and time.monotonic() - start < 0.5
     finally:
         peer.wait()
+
+
+def test_which_errors_count_as_a_lost_peer():
+    """A closed connection, a timeout, NCCL's remote and system errors or an aborted
+    communicator are a lost peer; an NCCL error of this rank's own (invalid usage, out of
+    memory) is not, nor is anything else."""
+    import torch.distributed as dist
+
+    from fl_megatron.federation.failed_collective import is_failed_collective
+
+    lost = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234",
+            "Timed out waiting 900000ms for send operation to complete",
+            "NCCL error in: ProcessGroupNCCL.cpp:2031, remote process exited or there was a network error, "
+            "NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a network error or a remote "
+            "process exiting prematurely.",
+            "NCCL communicator was aborted on rank 3.",
+            "[Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"]
+    own = ["NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN for details), "
+           "NCCL version 2.27.3\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.",
+           "CUDA out of memory. Tried to allocate 2.00 GiB (NCCL buffer)",
+           "shape mismatch in add_"]
+    assert all(is_failed_collective(RuntimeError(text)) for text in lost)
+    assert not any(is_failed_collective(RuntimeError(text)) for text in own)
+    assert is_failed_collective(dist.DistBackendError("anything"))
+    assert not is_failed_collective(ValueError("Connection closed"))

@@ -45,3 +45,14 @@ def wrap_blocks_for_recompute(model: nn.Module) -> None:
     name segment is dropped by `canonical_name`, so initial values and checkpoint keys stay the same."""
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block)
+
+
+def own_singleton_group(timeout=None):
+    """A process group of this rank alone (the model-parallel groups of size 1 that DeepSpeed and
+    megatron-core ask for). Made with local synchronisation: only this rank takes part, so the
+    start-up cost does not grow with the job (creating every rank's singleton on every rank
+    meant world-size group creations per rank)."""
+    import torch.distributed as dist
+
+    return dist.new_group([dist.get_rank()], timeout=timeout, use_local_synchronization=True)
+

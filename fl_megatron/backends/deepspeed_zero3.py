@@ -21,7 +21,7 @@ from ..config.deepspeed_json import engine_config
 from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
-from .common import InitialValues, flat_elements, wrap_blocks_for_recompute
+from .common import InitialValues, flat_elements, own_singleton_group, wrap_blocks_for_recompute
 from .deepspeed_checks import within_group
 from .pickle_guard import check_deepspeed_dir
 from .optimizer import build_optimizer, parameter_groups, set_learning_rate, state_tensors
@@ -106,9 +106,7 @@ class DeepSpeedBackend:
         self.groups, self.device = groups, device
         self.shard_group = groups.mesh.get_group("shard")
         self.replica_group = groups.replica if layout.is_hsdp else None
-        # every rank creates every singleton group, in the same order
-        own_singleton, _ = dist.new_subgroups(group_size=1)
-        mpu = GroupMpu(self.shard_group, own_singleton)
+        mpu = GroupMpu(self.shard_group, own_singleton_group())
         ds_config = engine_config(cfg.deepspeed, t, layout.shard_size, t.train_iters, run.accumulation)
         client_optimizer = None
         if device.type == "cpu":

@@ -22,7 +22,7 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from ..topology import MESH_DIM_NAMES
-from .common import InitialValues
+from .common import InitialValues, own_singleton_group
 from .megatron_cpu import compat_method, ensure_memory_buffer, install_cpu_rng_tracker
 from .megatron_model import build_gpt_model, quiet_import_megatron
 from .megatron_names import megatron_layout, megatron_tensor, our_sources, our_tensor
@@ -38,7 +38,7 @@ def _process_group_collection(groups: ProcessGroups):
     optimizer is sharded over the shard group and gradients all-reduced over the replicas."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    own, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    own = own_singleton_group()
     pgc = ProcessGroupCollection()
     for name in _SINGLETON_FIELDS:
         setattr(pgc, name, own)

@@ -4,9 +4,13 @@ import torch.distributed as dist
 
 from ..error_text import one_line
 
-# Words of gloo's and NCCL's errors for a closed connection or a timeout (they raise plain
-# RuntimeErrors for some of them, DistBackendError for others).
-_WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "timed out", "Timed out", "Broken pipe")
+# Words of gloo's and NCCL's errors for a lost peer: a closed connection, a timeout, an aborted
+# communicator (they raise plain RuntimeErrors for some, DistBackendError for others). Not the
+# bare word "NCCL": ncclInvalidUsage, a version mismatch or an out-of-memory in NCCL's buffers
+# are errors of this rank, to be reported as they are, not as a dead peer.
+_WORDS = ("gloo", "Gloo", "Connection", "connection", "timed out", "Timed out", "Broken pipe",
+          "ncclRemoteError", "remote process exited", "ncclSystemError", "communicator was aborted",
+          "Watchdog caught collective operation timeout")
 
 
 def is_failed_collective(err: BaseException) -> bool:
