@@ -204,6 +204,18 @@ def average_per_step(layout: Layout, num_params: int, sync_interval: int,
 _OPTIMIZER_STATE_BYTES = MappingProxyType({"adamw": 8, "adam": 8, "sgd": 0})
 
 
+# A sync's transient buffers, in buckets of --fl-bucket-mb: two packed buckets in flight, and for a
+# compressed sync about five fp32 copies of the bucket being encoded (the padded input, the
+# received pieces decoded, their stack, the mean re-encoded and gathered back).
+PACKED_BUCKETS_IN_FLIGHT = 2
+COMPRESSION_BUCKET_COPIES = 5
+
+
+def sync_buffer_bytes(bucket_bytes: float, compressed: bool) -> float:
+    """Peak transient memory of one sync beyond the shards, per rank."""
+    return bucket_bytes * (PACKED_BUCKETS_IN_FLIGHT + (COMPRESSION_BUCKET_COPIES if compressed else 0))
+
+
 def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              hidden_size: int, seq_length: int, micro_batch_size: int,
                              vocab_size: int, num_attention_heads: int, bf16: bool = True,
@@ -211,7 +223,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                              largest_layer_params: Optional[int] = None,
                              flash_attention: bool = True,
                              recompute: bool = False, replicated_params: bool = False,
-                             grad_bytes: int = 4, outer_state_shards: float = 0) -> Dict[str, float]:
+                             grad_bytes: int = 4, outer_state_shards: float = 0,
+                             sync_buffer_bytes: float = 0) -> Dict[str, float]:
     """Rough per-rank memory in bytes -- an ESTIMATE, ignoring buffers and fragmentation.
 
     Sharded over S: fp32 master params (4 B/param), fp32 gradients (4 B/param), optimizer
@@ -258,6 +271,8 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
                      working_params=float(num_params * param_bytes))
     if outer_state_shards:
         parts["outer_state"] = 4.0 * outer_state_shards * num_params / s
+    if sync_buffer_bytes:
+        parts["sync_buffers"] = float(sync_buffer_bytes)
     parts["total"] = sum(parts.values())
     return parts
 

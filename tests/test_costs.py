@@ -159,3 +159,22 @@ def test_recompute_keeps_block_inputs_plus_one_block():
     rec = estimate_memory_per_rank(layout, PSI, **MODEL, largest_layer_params=1000, recompute=True)
     assert rec["activations"] == pytest.approx(2 * s * b * h * L + s * b * h * 34)
     assert rec["activations"] < full["activations"] / 10
+
+
+def test_sync_buffers_and_unfused_attention_are_counted():
+    """A sync's transient buckets (five more fp32 copies when compressed) and megatron's
+    unfused attention (the s x s scores) are in the per-rank estimate."""
+    from fl_megatron.costs import COMPRESSION_BUCKET_COPIES, PACKED_BUCKETS_IN_FLIGHT, sync_buffer_bytes
+
+    bucket = 32 * 2**20
+    assert sync_buffer_bytes(bucket, False) == PACKED_BUCKETS_IN_FLIGHT * bucket
+    assert sync_buffer_bytes(bucket, True) == (PACKED_BUCKETS_IN_FLIGHT + COMPRESSION_BUCKET_COPIES) * bucket
+    layout = make_layout(8, ranks_per_node=4, group_size=4)
+    args = dict(num_layers=2, hidden_size=64, seq_length=4096, micro_batch_size=1, vocab_size=512,
+                num_attention_heads=4)
+    fused = estimate_memory_per_rank(layout, 10**6, **args)
+    unfused = estimate_memory_per_rank(layout, 10**6, **args, flash_attention=False, sync_buffer_bytes=bucket)
+    # per layer: s * b * h * 5 * heads * s / h more bytes (bf16: x1) for the scores
+    assert unfused["activations"] - fused["activations"] == 2 * 4096 * 64 * 5 * 4 * 4096 / 64
+    assert unfused["sync_buffers"] == bucket and unfused["total"] - fused["total"] == pytest.approx(
+        unfused["activations"] - fused["activations"] + bucket)

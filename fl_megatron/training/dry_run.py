@@ -10,7 +10,7 @@ from ..config import ResolvedRun, RunConfig
 from ..cost_model.compare import compare_text
 from ..cost_model.workload import gradient_bytes, workload_for
 from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes,
-                     saved_outer_copies, step_comm, sync_comm)
+                     saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm)
 from ..models import build_model
 from ..topology import Layout
 from .console import batch_line, federation_line
@@ -123,7 +123,12 @@ def dry_run_report(run: ResolvedRun) -> str:
                                       recompute=t.recompute_activations,
                                       replicated_params=cfg.parallel.backend == "megatron",
                                       grad_bytes=gradient_bytes(cfg),
-                                      outer_state_shards=fed.outer_state_shards if fed.syncing and layout.is_federated else 0)
+                                      outer_state_shards=fed.outer_state_shards if fed.syncing and layout.is_federated else 0,
+                                      # megatron-core's local layer spec attends unfused: it stores the s x s scores
+                                      flash_attention=cfg.parallel.backend != "megatron",
+                                      sync_buffer_bytes=sync_buffer_bytes(min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
+                                                                          fed.sync_dtype != "fp32")
+                                      if fed.syncing and layout.is_federated else 0)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
