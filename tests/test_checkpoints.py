@@ -217,6 +217,8 @@ def test_which_checkpoint_load_resumes(tmp_path):
     assert resume_source(CheckpointConfig(load=str(root / "iter_0000004"))) == (root, 4)
     assert resume_source(CheckpointConfig(load=str(root), load_iteration=4)) == (root, 4)
     assert resume_source(CheckpointConfig(load=str(root / "iter_0000004"), load_iteration=4)) == (root, 4)
+    with pytest.raises(ValueError, match="iter_0000005: no such checkpoint directory .* has iterations 4, 8"):
+        resume_source(CheckpointConfig(load=str(root / "iter_0000005")))
     with pytest.raises(ValueError, match="names iteration 4 but --load-iteration is 8"):
         resume_source(CheckpointConfig(load=str(root / "iter_0000004"), load_iteration=8))
     with pytest.raises(ValueError, match="needs --load DIR"):

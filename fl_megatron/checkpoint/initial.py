@@ -19,7 +19,11 @@ def resume_source(options: CheckpointConfig) -> Optional[tuple[Path, int]]:
         return None
     path = Path(options.load)
     named = iteration_number(path.name)
-    if named is not None and path.is_dir():
+    if named is not None and not path.is_dir():
+        have = published_iterations(path.parent)
+        raise ValueError(f"--load {path}: no such checkpoint directory ({path.parent} has "
+                         f"{'iterations ' + ', '.join(map(str, have)) if have else 'no checkpoints'})")
+    if named is not None:
         if options.load_iteration not in (None, named):
             raise ValueError(f"--load {path} names iteration {named} but --load-iteration is "
                              f"{options.load_iteration}: give one of them")
