@@ -75,6 +75,13 @@ def test_fsdp2_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
 
 
 @NEEDS_DEEPSPEED
+def test_fsdp2_async_save_resumes_exactly_and_survives_a_kill_while_writing(tmp_path):
+    """--async-save: the same exact resume, a checkpoint published only once every rank has
+    written it (at the next sync, or at the end), and a kill while one is being written leaves
+    the previous one the latest."""
+    _exact_resume(tmp_path, "fsdp2", "--async-save")
+
+
 def test_deepspeed_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "deepspeed")
 

@@ -254,3 +254,17 @@ def test_every_non_finite_number_is_refused_naming_the_field(tmp_path, capsys, m
     ds.write_text('{"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"eps": NaN}}}')
     assert main([*base, "--deepspeed", "--deepspeed_config", str(ds)]) == 2
     assert "deepspeed.optimizer.params.eps=nan" in capsys.readouterr().err
+
+
+def test_async_save_is_refused_where_it_cannot_work(capsys, monkeypatch):
+    """--async-save writes with torch.distributed.checkpoint (fsdp2 only) and needs --save."""
+    from fl_megatron.pretrain import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    base = ["--model", "llama-tiny", "--world-size", "4", "--dry-run", "--async-save"]
+    assert main(base) == 2 and "async_save need --save DIR" in capsys.readouterr().err
+    assert main([*base, "--save", "/tmp/x", "--backend", "megatron"]) == 2
+    assert "async_save writes with torch.distributed.checkpoint: it is for the fsdp2 backend, not megatron" in \
+        capsys.readouterr().err
+    assert main([*base, "--save", "/tmp/x"]) == 0

@@ -50,7 +50,7 @@ def _rank(rank, world, args, directory):
     from fl_megatron.federation import FederationEngine, build_process_groups
 
     run = resolve(_config(args, directory), world, world)
-    groups = build_process_groups(run.layout, "cpu")
+    groups = build_process_groups(run.layout, "cpu", async_checkpoint=args.backend == "fsdp2")
     backend = make_backend(run, groups, torch.device("cpu"))
     engine = FederationEngine(backend, groups, run.cfg.federation)
     tokens = torch.randint(0, run.cfg.model.vocab_size, (1, 65), generator=torch.Generator().manual_seed(rank))
@@ -68,8 +68,19 @@ def _rank(rank, world, args, directory):
     start = time.perf_counter()
     checkpointer.resume(lambda text: None)
     load_s = time.perf_counter() - start
-    return {"save_s": save_s, "load_s": load_s, "peak_after_build_mib": built, "peak_after_save_mib": saved,
-            "peak_after_load_mib": _peak_mib()}
+    out = {"save_s": save_s, "load_s": load_s, "peak_after_build_mib": built, "peak_after_save_mib": saved,
+           "peak_after_load_mib": _peak_mib()}
+    if args.backend == "fsdp2":  # the same save with --async-save: the stall, then the background write
+        checkpointer.options.async_save = True
+        dist.barrier()
+        start = time.perf_counter()
+        checkpointer.save(2)
+        out["async_stall_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        checkpointer.finish_pending()
+        out["async_publish_wait_s"] = time.perf_counter() - start
+        out["peak_after_async_mib"] = _peak_mib()
+    return out
 
 
 def _converter_peak(checkpoint: str, output: str, dtype: str) -> float:
@@ -103,6 +114,14 @@ def main() -> None:
         print(f"  rank {rank}: save {r['save_s']:.2f} s, load {r['load_s']:.2f} s; peak RSS after build "
               f"{r['peak_after_build_mib']:,.0f} MiB, after save {r['peak_after_save_mib']:,.0f} MiB, "
               f"after load {r['peak_after_load_mib']:,.0f} MiB")
+    if "async_stall_s" in results[0]:
+        stall = max(r["save_s"] for r in results)
+        staged = max(r["async_stall_s"] for r in results)
+        waited = max(r["async_publish_wait_s"] for r in results)
+        print(f"  --async-save: training stalls {staged:.2f} s (state copied to host memory) instead of "
+              f"{stall:.2f} s, {stall / max(staged, 1e-9):.1f}x less, slowest rank; the write then took "
+              f"{waited:.2f} s more in the background (here waited for at once; in a run, at the next sync); "
+              f"peak RSS after it {max(r['peak_after_async_mib'] for r in results):,.0f} MiB")
     print(f"  converter (fp32 export): peak RSS {peak:,.0f} MiB = {peak / fp32_mib:.2f} x the model's fp32 size; "
           f"without the {base:,.0f} MiB of an interpreter with torch loaded: {(peak - base) / fp32_mib:.2f} x")
     print(json.dumps({"params": params, "ranks": results, "converter_peak_mib": peak, "baseline_mib": base}))

@@ -1,6 +1,8 @@
 """PyTorch FSDP2 (`fully_shard`) inside each federation group; HSDP on a 2-D mesh."""
 
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,6 +24,38 @@ def _shard_count(param: DTensor) -> int:
     """Ranks the parameter's dim 0 is split over (the mesh's last, shard, dimension)."""
     return param.device_mesh.size(param.device_mesh.ndim - 1)
 
+
+
+def host_copy(state):
+    """A copy of a (nested) state dict in host memory, DTensors kept as DTensors over the same
+    mesh: what a background write may read while training changes the originals."""
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [host_copy(v) for v in state]
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    return state
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager for a state dict that `host_copy` staged already."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 class FSDP2Backend:
     """A model built on the meta device, sharded per transformer block and at the root over the
@@ -198,6 +232,22 @@ class FSDP2Backend:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory),
                  process_group=self.groups.federation)
+
+    def save_state_async(self, directory: Path, write: bool) -> Optional[Future]:
+        """`save_state` in the background (--async-save): the state is copied to host memory
+        before this returns, then written by DCP's thread, which plans over the gloo group kept
+        for it (never a communicator the training thread uses). None when this rank writes nothing."""
+        if not write:
+            return None
+        if self.groups.checkpoint is None:
+            raise ValueError("--async-save needs the checkpoint process group: "
+                             "build_process_groups(..., async_checkpoint=True)")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        staged = host_copy({"model": model_state, "optim": optim_state})
+        # staged here (DCP's own stager copies whole storages, and FSDP2's parameters share one
+        # flat storage per group: it fails on it), so DCP's stager has nothing left to do
+        return dcp.async_save(staged, checkpoint_id=str(directory), process_group=self.groups.checkpoint,
+                              async_stager=_AlreadyStaged())
 
     def load_state(self, directory: Path, load_optimizer: bool) -> None:
         """Read this group's shards (any number of ranks per group) from a `save_state` directory,

@@ -3,6 +3,8 @@
 import json
 import sys
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -69,6 +71,17 @@ def _write_failure(err: BaseException, root: Path, iteration: int) -> Checkpoint
                                 f"({text[-300:]}); {kept}")
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint staged and being written in the background, not yet published."""
+
+    root: Path
+    iteration: int
+    staging: Path
+    future: Optional[Future]  # this rank's background write (None: it writes no group state)
+    meta: Optional[dict]      # rank 0's metadata as of the step saved (without the manifest)
+
+
 class Checkpointer:
     """Writes checkpoints of one run under `--save` and restores one from `--load`."""
 
@@ -79,15 +92,29 @@ class Checkpointer:
         self.group = engine.groups.coords[0]
         self.replica = engine.groups.coords[1]
         self._pruner: Optional[threading.Thread] = None  # rank 0 deleting old checkpoints
+        self.pending: Optional[PendingSave] = None  # a checkpoint being written (--async-save)
         self._prune_error: Optional[BaseException] = None
 
     # --- saving ---------------------------------------------------------------------------
     def save(self, iteration: int) -> Path:
-        """Save the state after optimizer step `iteration`. Compact mode syncs first (unless the
-        step just did): the groups are then identical and one copy is stored."""
+        """Save the state after optimizer step `iteration` and publish it, or with --async-save
+        stage it and return its staging directory (`finish_pending` publishes it). Compact mode
+        syncs first (unless the step just did): the groups are then identical and one copy is stored."""
         root = Path(self.options.save)
+        return self._guarded(root, iteration, lambda: self._save(root, iteration))
+
+    def finish_pending(self) -> Optional[Path]:
+        """Publish the checkpoint being written in the background, once every rank has written
+        its part (collective: at a sync, before the next save, at the end); None if there is none."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        return self._guarded(pending.root, pending.iteration, lambda: self._publish(pending))
+
+    @staticmethod
+    def _guarded(root: Path, iteration: int, work) -> Path:
         try:
-            return self._save(root, iteration)
+            return work()
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             failure = _write_failure(e, root, iteration)
             if failure is None:
@@ -98,6 +125,7 @@ class Checkpointer:
         if self.engine.flight is not None:  # a sync in flight (--fl-overlap-steps) lands first
             self.engine.land()
         self.finish_pruning()
+        self.finish_pending()
         compact = self.options.ckpt_mode == "compact"
         if compact and self.engine.active and self.engine.last_synced_step != iteration:
             self.engine.sync(iteration)
@@ -110,7 +138,12 @@ class Checkpointer:
         dist.barrier()
         saved_groups = [0] if compact else list(range(self.run.layout.num_groups))
         source = 0 if compact else self.group
-        self.backend.save_state(group_dir(staging, source), write=self.group in saved_groups and self._writes_group())
+        write = self.group in saved_groups and self._writes_group()
+        future = None
+        if self.options.async_save:
+            future = self.backend.save_state_async(group_dir(staging, source), write=write)
+        else:
+            self.backend.save_state(group_dir(staging, source), write=write)
         rng = rng_file(staging, self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors({**_rng_state(), BYTE_COUNTERS: self.engine.ledger.state_tensor()}, rng)
@@ -120,18 +153,31 @@ class Checkpointer:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_safetensors({k: v.detach().cpu().contiguous() for k, v in outer.items()}, path)
         fault_point("checkpoint-write", iteration)
-        dist.barrier()
-        if self.is_writer:
+        meta = None
+        if self.is_writer:  # the engine's state as of this step (it moves on while the files are written)
             meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
                                   self.options.ckpt_mode, saved_groups, self.run.cfg.to_dict())
             meta["federation"]["schedule"] = self.engine.schedule.state()
-            meta["manifest"] = manifest(staging)
-            write_text_durably(staging / METADATA, json.dumps(meta, indent=1) + "\n")
-            publish(root, iteration)
+        pending = PendingSave(root, iteration, staging, future, meta)
+        if self.options.async_save:
+            self.pending = pending
+            return staging
+        return self._publish(pending)
+
+    def _publish(self, pending: "PendingSave") -> Path:
+        """Every rank's files are written (its own background write waited for, then a barrier):
+        rank 0 adds the manifest and metadata and renames the checkpoint into place."""
+        if pending.future is not None:
+            pending.future.result()
+        dist.barrier()
+        if self.is_writer:
+            pending.meta["manifest"] = manifest(pending.staging)
+            write_text_durably(pending.staging / METADATA, json.dumps(pending.meta, indent=1) + "\n")
+            publish(pending.root, pending.iteration)
         dist.barrier()
         if self.is_writer and self.options.keep_last:
-            self._start_pruning(root)
-        return iteration_dir(root, iteration)
+            self._start_pruning(pending.root)
+        return iteration_dir(pending.root, pending.iteration)
 
     def _start_pruning(self, root: Path) -> None:
         """Delete checkpoints past --keep-last in the background: the new one is published, and

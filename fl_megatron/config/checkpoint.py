@@ -23,6 +23,11 @@ class CheckpointConfig:
         default=None, metadata={"help": "resume from this iteration's checkpoint under --load instead of the latest"})
     load_optim: bool = field(default=True, metadata={"help": "restore optimizer states when loading "
                                                              "(--no-load-optim: weights, schedule position and data position only)"})
+    async_save: bool = field(
+        default=False, metadata={"help": "fsdp2: write checkpoints in the background (torch.distributed.checkpoint's "
+                                         "async_save): training goes on once the state is copied to host memory, and "
+                                         "the checkpoint is published at the next sync (a single group: H steps later) "
+                                         "once every rank has written; needs host memory for a copy of the rank's state"})
     keep_last: Optional[int] = field(
         default=None, metadata={"help": "keep only the newest N checkpoints (older ones are deleted after the new "
                                         "one is published); default: keep all"})
@@ -59,6 +64,7 @@ class CheckpointConfig:
             errors.append(f"ckpt_mode={self.ckpt_mode!r} is not one of {', '.join(CHECKPOINT_MODES)}")
         if self.save is None:
             needs_save = [f"{n}={getattr(self, n)}" for n in ("save_interval", "keep_last") if getattr(self, n) is not None]
+            needs_save += ["async_save"] if self.async_save else []
             if needs_save:
                 errors.append(f"{' and '.join(needs_save)} need --save DIR")
             if self.exit_signal_handler or self.exit_interval or self.exit_duration_in_mins:

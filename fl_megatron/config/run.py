@@ -94,6 +94,9 @@ class RunConfig:
                              f"group ({layout.shard_size} ranks: the federation group, or the HSDP shard "
                              "group), so that ZeRO++'s secondary copies stay inside it")
         t, m = self.training, self.model
+        if self.checkpoint.async_save and self.parallel.backend != "fsdp2":
+            raise ValueError(f"async_save writes with torch.distributed.checkpoint: it is for the fsdp2 backend, "
+                             f"not {self.parallel.backend}")
         if self.parallel.backend == "deepspeed" and t.grad_reduce_dtype is not None:
             raise ValueError(f"grad_reduce_dtype={t.grad_reduce_dtype!r} is for the fsdp2 and megatron backends; "
                              "DeepSpeed reduces gradients in its communication_data_type (set it in its JSON)")

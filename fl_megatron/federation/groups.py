@@ -25,6 +25,9 @@ class ProcessGroups:
     # exchange's peer and HSDP replica groups, never shared with the training thread's collectives
     exchange_peer: Optional[dist.ProcessGroup] = None
     exchange_replica: Optional[dist.ProcessGroup] = None
+    # a gloo group over the federation group for checkpoints written in the background
+    # (--async-save): torch.distributed.checkpoint's writer thread plans and finishes over it
+    checkpoint: Optional[dist.ProcessGroup] = None
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -68,10 +71,11 @@ def _timeout_options(device_type: str, timeout: timedelta):
 
 
 def build_process_groups(layout: Layout, device_type: str, timeout: Optional[timedelta] = None,
-                         exchange: bool = False) -> ProcessGroups:
+                         exchange: bool = False, async_checkpoint: bool = False) -> ProcessGroups:
     """Create every group on every rank (collective: all ranks call it in the same order), each
     with `timeout` (None: torch's default for subgroups). `exchange`: also the background
     exchange's own peer and replica groups (a federated run with --fl-overlap-steps).
+    `async_checkpoint`: also a gloo copy of the federation group for background checkpoint writes.
 
     The sharding mesh is 1-D (shard) for FSDP inside the group and 2-D (replica, shard) for HSDP.
     """
@@ -95,5 +99,9 @@ def build_process_groups(layout: Layout, device_type: str, timeout: Optional[tim
         exchange_peer, _ = dist.new_subgroups_by_enumeration(peer_groups(layout), timeout=timeout)
         if layout.is_hsdp:
             exchange_replica, _ = dist.new_subgroups_by_enumeration(replica_groups(layout), timeout=timeout)
+    checkpoint = None
+    if async_checkpoint:
+        checkpoint, _ = dist.new_subgroups_by_enumeration(federation_groups(layout), timeout=timeout, backend="gloo")
     return ProcessGroups(layout=layout, rank=dist.get_rank(), mesh=mesh, shard_mesh=shard_mesh,
-                         federation=federation, exchange_peer=exchange_peer, exchange_replica=exchange_replica)
+                         federation=federation, exchange_peer=exchange_peer, exchange_replica=exchange_replica,
+                         checkpoint=checkpoint)

@@ -67,7 +67,8 @@ class Trainer:
         self.train_source, self.valid_samples = self._load_data(samples)
         self.groups = build_process_groups(self.layout, self.device.type,
                                            timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
-                                           exchange=bool(cfg.federation.overlap_steps))
+                                           exchange=bool(cfg.federation.overlap_steps),
+                                           async_checkpoint=cfg.checkpoint.async_save)
         self.group = self.groups.coords[0]
         # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
         self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)
@@ -261,16 +262,23 @@ class Trainer:
             if outcome.figures is not None or outcome.sync is not None:
                 eta = (time.perf_counter() - start) / (done - self.start_step) * (t.train_iters - done)
                 self._log_step(done, outcome, intervals, eta)
+            if self.checkpointer.pending is not None and self._publish_due(done):
+                self._publish_pending(done)
             if options.saving and (done == t.train_iters or stopped or
                                    (options.save_interval and done % options.save_interval == 0)):
                 self.phases.enter("checkpoint-write", done)
                 path = self.checkpointer.save(done)
-                say(f"  saved checkpoint {path}", self.is_writer)
+                if self.checkpointer.pending is None:
+                    say(f"  saved checkpoint {path}", self.is_writer)
+                else:
+                    say(f"  checkpoint of step {done} staged, being written in the background", self.is_writer)
             if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
                 evals.append(self._eval_record(done))  # a stop at an evaluation step evaluates first
             if stopped:
                 say(f"  stopping after step {done} ({stopped})", self.is_writer)
                 break
+        if self.checkpointer.pending is not None:  # the last one (or a stop's) is published before leaving
+            self._publish_pending(done)
         wall = time.perf_counter() - start
         final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
         self.phases.enter("summary", done)
@@ -279,6 +287,20 @@ class Trainer:
         # collectives can abort the peer at exit.
         dist.barrier()
         return summary
+
+    def _publish_due(self, done: int) -> bool:
+        """Whether a checkpoint written in the background is published after step `done`: at
+        the first sync after it (the groups meet then anyway), or H steps after it for a single
+        group or groups that never sync."""
+        vote = self.engine.vote
+        if self.federated and self.engine.active:
+            return vote is not None and vote.step == done and done > self.checkpointer.pending.iteration
+        return done >= self.checkpointer.pending.iteration + self.cfg.federation.sync_interval
+
+    def _publish_pending(self, done: int) -> None:
+        self.phases.enter("checkpoint-write", done)
+        path = self.checkpointer.finish_pending()
+        say(f"  saved checkpoint {path} (written in the background)", self.is_writer)
 
     def _log_step(self, done: int, outcome: StepOutcome, intervals: tuple, eta: float) -> None:
         """Record and print one step: the group's record (each group's first rank) and, at a
