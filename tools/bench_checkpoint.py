@@ -105,7 +105,7 @@ def main() -> None:
         ckpt = str(Path(tmp) / "ckpt")
         params = count_parameters(_config(args, ckpt).model)
         results = run_ranks(args.ranks, _rank, args, ckpt, timeout=1800)
-        size = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file())
+        size = sum(f.stat().st_size for f in (Path(ckpt) / "iter_0000001").rglob("*") if f.is_file())
         peak, base = _converter_peak(ckpt, str(Path(tmp) / "hf"), "fp32")
     fp32_mib = params * 4 / 2**20
     print(f"model: {params:,} parameters ({fp32_mib:,.0f} MiB in fp32), backend {args.backend}, "
