@@ -91,6 +91,10 @@ def _exactness_job(rank, world, tmp, cache):
     for param, main, start, stop in trainer.backend._main_pairs():
         rounded &= torch.equal(param.data.reshape(-1)[start:stop], main.to(param.dtype))
     out["model_is_rounded_main"] = rounded
+    # the norm is made on the backend's device (it is stacked with the loss there): a fake device shows it
+    real, trainer.backend.device = trainer.backend.device, torch.device("meta")
+    out["norm_device"] = str(trainer.backend.optimizer_step(1e-3)[0].device)
+    trainer.backend.device = real
     trainer.close()
     return out
 
@@ -109,6 +113,7 @@ def test_megatron_backend_matches_megatron_core_over_all_ranks_and_fsdp2(tmp_pat
         assert r["identical_after_steps_1_2_3"] == [(False, False), (True, True), (False, False)], r
         assert r["param_dtypes"] == ["torch.bfloat16"] and r["model_is_rounded_main"]
         assert r["grad_buffer_dtypes"] == ["torch.bfloat16"]
+        assert r["norm_device"] == "meta", r["norm_device"]
 
 
 def _export_job(rank, world, tmp, cache):
