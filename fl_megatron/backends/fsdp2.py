@@ -34,9 +34,11 @@ def host_copy(state):
     if isinstance(state, list):
         return [host_copy(v) for v in state]
     if isinstance(state, DTensor):
+        # the same spec around a host copy of the local shard (DTensor.from_local would move it
+        # back to the mesh's device: a second copy of the state on the GPU); torch's own
+        # _create_cpu_state_dict swaps the local tensor the same way
         local = state.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
-                                  shape=state.shape, stride=state.stride())
+        return DTensor(local, state._spec, requires_grad=False)
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     return state
