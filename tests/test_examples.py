@@ -125,6 +125,12 @@ def test_megatron_recipes_are_the_fsdp2_recipes_on_another_backend_with_bf16_gra
             assert fsdp2["training"].pop("run_dir") == f"runs/{model}/fsdp2-{layout}-{cluster}"
             # megatron keeps a whole gradient buffer per rank: in bf16, as Megatron-LM does by default
             assert megatron["training"].pop("grad_reduce_dtype") == "bf16"
+            # its local layer spec attends unfused (the s x s scores): half the micro-batch, twice
+            # the accumulation, the same global batch
+            m, f = megatron["training"], fsdp2["training"]
+            if model == "llama3.1-8b":
+                assert (m.pop("micro_batch_size"), m.pop("gradient_accumulation_steps")) == \
+                    (f.pop("micro_batch_size") // 2, f.pop("gradient_accumulation_steps") * 2)
             assert {k: v for k, v in megatron.items() if k != "parallel"} == \
                 {k: v for k, v in fsdp2.items() if k != "parallel"}
 
