@@ -25,7 +25,6 @@ def _shard_count(param: DTensor) -> int:
     return param.device_mesh.size(param.device_mesh.ndim - 1)
 
 
-
 def host_copy(state):
     """A copy of a (nested) state dict in host memory, DTensors kept as DTensors over the same
     mesh: what a background write may read while training changes the originals."""
@@ -47,8 +46,7 @@ def host_copy(state):
 class _AlreadyStaged:
     """DCP's AsyncStager for a state dict that `host_copy` staged already."""
 
-    _synchronize_after_execute = False
-    should_synchronize_after_execute = False
+    should_synchronize_after_execute = False  # what async_save reads
 
     def stage(self, state_dict):
         return state_dict
@@ -58,6 +56,7 @@ class _AlreadyStaged:
 
     def close(self) -> None:
         pass
+
 
 class FSDP2Backend:
     """A model built on the meta device, sharded per transformer block and at the root over the
