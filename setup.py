@@ -40,6 +40,8 @@ setup(
         "plots": ["matplotlib>=3.7"],
         # the peer rows of tools/bench_cluster.py (torchft LocalSGD and DiLoCo)
         "peers": ["torchft==0.2.0"],
+        # elastic federation groups (fl_megatron/elastic: the inter-group tier on torchft)
+        "elastic": ["torchft==0.2.0"],
         # megatron-core: format compatibility tests of the indexed datasets (its dataset code needs no GPU)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
                  "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1", "einops>=0.8",

@@ -1,0 +1,96 @@
+"""The inter-group tier of elastic mode: torchft's Manager and its reconfigurable process group
+over the live federation groups, rank k of each group meeting rank k of the others."""
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from .quorum_group import registered_quorum_group, unregister_quorum_group
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One sync's quorum as this rank sees it (the same on every rank of every live group)."""
+
+    quorum_id: int
+    groups: tuple          # the live groups' ids, in quorum-rank order
+    rank: int              # this group's index in `groups` (its rank in the peer group)
+    participants: int      # groups contributing to this sync (healing ones receive only)
+    healed: bool           # this group was behind and took the live groups' state
+    seconds: float         # how long the quorum (and healing) took here
+
+    @property
+    def size(self) -> int:
+        return len(self.groups)
+
+
+def _torchft():
+    try:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    except ImportError as e:
+        raise ImportError("--fl-elastic needs torchft: pip install 'fl-megatron[elastic]' (torchft==0.2.0)") from e
+    return Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+
+class ElasticPeerTier:
+    """The peer group of one rank in elastic mode. `meet` forms the sync's quorum (a group that
+    is behind heals there, through torchft's checkpoint transport, from `state_dict` of a live
+    group into `load_state_dict`), `commit` is torchft's all-or-nothing vote after it."""
+
+    def __init__(self, group_id: int, group_rank: int, group_size: int, lighthouse: str, store_addr: str,
+                 store_port: int, min_groups: int, state_dict: Callable[[], dict],
+                 load_state_dict: Callable[[dict], None], device_type: str = "cpu",
+                 timeout: timedelta = timedelta(seconds=60), quorum_timeout: timedelta = timedelta(minutes=60)) -> None:
+        if group_id < 0 or min_groups < 1:
+            raise ValueError(f"group id {group_id} and minimum groups {min_groups}: need >= 0 and >= 1")
+        Manager, ProcessGroupGloo, ProcessGroupNCCL = _torchft()
+        self.group_id, self.group_size = group_id, group_size
+        self.backend = "nccl" if device_type == "cuda" else "gloo"
+        self._pg = ProcessGroupNCCL(timeout=timeout) if self.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        # use_async_quorum=False: the quorum (and any healing) completes inside `meet`, before
+        # the sync's collectives; init_sync=False: every group starts from the same seeded values
+        self.manager = Manager(pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict,
+                               min_replica_size=min_groups, use_async_quorum=False, init_sync=False,
+                               timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
+                               rank=group_rank, world_size=group_size, store_addr=store_addr,
+                               store_port=store_port, lighthouse_addr=lighthouse, replica_id=f"group_{group_id}")
+        self._registered = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The current quorum's process group (valid after `meet`)."""
+        if self._registered is None:
+            raise RuntimeError("no quorum yet: call meet() first")
+        return self._registered
+
+    def meet(self) -> Membership:
+        """Form this sync's quorum with the live groups (blocking: up to the quorum timeout)."""
+        start = time.perf_counter()
+        before = self.manager.current_step()
+        self.manager.start_quorum()
+        raw = self._pg._pg  # torchft rebuilt it if the membership changed
+        if raw is not self._registered:
+            unregister_quorum_group(self._registered)
+            self._registered = registered_quorum_group(raw, self.backend, self.manager._quorum_id, self._pg._rank)
+        groups = tuple(r // self.group_size for r in self._pg._global_ranks)
+        healed = self.manager.current_step() != before
+        return Membership(self.manager._quorum_id, groups, self._pg._rank, self.manager.num_participants(),
+                          healed, time.perf_counter() - start)
+
+    def report_error(self, error: Exception) -> None:
+        """A collective of this sync failed: the sync will not commit anywhere in this group."""
+        self.manager.report_error(error)
+
+    def commit(self) -> bool:
+        """torchft's vote after a sync's collectives: True where every rank of this group
+        succeeded (and enough groups took part); the sync's result may then be kept."""
+        return self.manager.should_commit()
+
+    def close(self) -> None:
+        unregister_quorum_group(self._registered)
+        self._registered = None
+        self.manager.shutdown(wait=False)
