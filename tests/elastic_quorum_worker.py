@@ -2,7 +2,6 @@
 group (run by tests/test_elastic_quorum.py: python elastic_quorum_worker.py GROUP LIGHTHOUSE ROUNDS OUT)."""
 
 import json
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -15,6 +14,9 @@ from fl_megatron.elastic import ElasticPeerTier
 from fl_megatron.federation.averaging import ShardAverager
 from fl_megatron.federation.graphs import Round
 
+sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "peers"))
+from torchft_launch import free_port  # noqa: E402
+
 
 def shards_of(group: int, round_index: int) -> list[torch.Tensor]:
     """Group `group`'s values in round `round_index`: two shards, a packed small one and a big one."""
@@ -24,10 +26,7 @@ def shards_of(group: int, round_index: int) -> list[torch.Tensor]:
 
 def main() -> None:
     group, lighthouse, rounds, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
     tier = ElasticPeerTier(group, 0, 1, lighthouse, "127.0.0.1", port, min_groups=1,

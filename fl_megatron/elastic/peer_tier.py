@@ -72,7 +72,9 @@ class ElasticPeerTier:
         start = time.perf_counter()
         before = self.manager.current_step()
         self.manager.start_quorum()
-        raw = self._pg._pg  # torchft rebuilt it if the membership changed
+        # torchft rebuilt it (on its quorum thread) if the membership changed; from here on only
+        # the thread that called meet() issues collectives on it
+        raw = self._pg._pg
         if raw is not self._registered:
             unregister_quorum_group(self._registered)
             self._registered = registered_quorum_group(raw, self.backend, self.manager._quorum_id, self._pg._rank)
