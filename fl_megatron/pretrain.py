@@ -32,6 +32,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         return _fail(str(e))
     dry_run = getattr(ns, "dry_run", False)
+    if cfg.federation.elastic and not dry_run:
+        try:
+            env = _elastic_env(cfg, env)
+        except ValueError as e:
+            return _fail(str(e))
     world = env.world_size
     if cfg.parallel.world_size is not None:
         if not dry_run and cfg.parallel.world_size != env.world_size:
@@ -70,6 +75,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(dry_run_report(run))
         return 0
     return _train(run, env, samples)
+
+
+def _elastic_env(cfg, env):
+    """Elastic mode: the group slot and the lighthouse from flags or the environment, this job's
+    run directory made the group's own; returns where this process sits in the federation."""
+    from pathlib import Path
+
+    fed = cfg.federation
+    if fed.group_id is None and os.environ.get("FL_GROUP_ID", "") != "":
+        value = os.environ["FL_GROUP_ID"]
+        if not value.isdigit():
+            raise ValueError(f"FL_GROUP_ID={value!r} is not a group slot number")
+        fed.group_id = int(value)
+    if fed.lighthouse is None and os.environ.get("TORCHFT_LIGHTHOUSE"):
+        fed.lighthouse = os.environ["TORCHFT_LIGHTHOUSE"]
+    missing = [what for what, value in (("--fl-group-id (or FL_GROUP_ID)", fed.group_id),
+                                        ("--fl-lighthouse (or TORCHFT_LIGHTHOUSE)", fed.lighthouse),
+                                        ("--fl-num-groups", fed.num_groups)) if value is None]
+    if missing:
+        raise ValueError("elastic mode (--fl-elastic) needs " + ", ".join(missing))
+    if fed.group_size not in (None, env.world_size):
+        raise ValueError(f"elastic mode: each job is one federation group, but --fl-group-size {fed.group_size} "
+                         f"differs from the job's {env.world_size} ranks")
+    fed.validate()
+    cfg.training.run_dir = str(Path(cfg.training.run_dir) / f"group_{fed.group_id:05d}")
+    return env.in_federation(fed.group_id, fed.num_groups)
 
 
 def _train(run, env, samples) -> int:

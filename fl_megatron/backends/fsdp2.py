@@ -17,7 +17,13 @@ from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, wrap_blocks_for_recompute
 from .pickle_guard import GuardedPlanner, GuardedReader
-from .optimizer import build_optimizer, set_learning_rate, state_tensors
+from .optimizer import (build_optimizer, load_transfer_state_tensors, set_learning_rate, state_tensors,
+                        transfer_state_tensors)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) parameter or optimizer state tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _shard_count(param: DTensor) -> int:
@@ -174,12 +180,20 @@ class FSDP2Backend:
 
     def inner_state_shards(self) -> list[torch.Tensor]:
         """AdamW moments / SGD momentum of every parameter's local shard, parameter by parameter."""
-        return state_tensors(self.optimizer, list(self.model.parameters()),
-                              lambda t: t.to_local() if isinstance(t, DTensor) else t)
+        return state_tensors(self.optimizer, list(self.model.parameters()), _local)
 
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
         self.optimizer.state.clear()
+
+    def optimizer_transfer_state(self) -> list[torch.Tensor]:
+        """This rank's whole inner optimizer state (moments and step counts) for a healing peer."""
+        return transfer_state_tensors(self.optimizer, list(self.model.parameters()), _local)
+
+    def load_optimizer_transfer_state(self, tensors: list[torch.Tensor]) -> None:
+        """Take a peer rank's `optimizer_transfer_state` (a group healing in elastic mode)."""
+        load_transfer_state_tensors(self.optimizer, list(self.model.parameters()),
+                                    [t.to(self.device) for t in tensors], _local)
 
     def refresh_after_sync(self) -> None:
         """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""

@@ -48,3 +48,32 @@ def state_tensors(optimizer, params: list, local=_identity) -> list[torch.Tensor
         out += [local(state[key]) for key in sorted(state)
                 if key != "step" and torch.is_tensor(state[key]) and state[key].is_floating_point()]
     return out
+
+
+def transfer_state_tensors(optimizer, params: list, local=_identity) -> list[torch.Tensor]:
+    """Every state tensor of `params` in their order, keys sorted, step counts included: what a
+    healing group receives to continue exactly where the sender is (empty before the first step)."""
+    return [local(state[key]) for param in params for state in [optimizer.state.get(param, {})]
+            for key in sorted(state) if torch.is_tensor(state[key])]
+
+
+@torch.no_grad()
+def load_transfer_state_tensors(optimizer, params: list, tensors: list, local=_identity) -> None:
+    """Copy `transfer_state_tensors` of a peer rank in. A fresh optimizer first makes its state by
+    one step at learning rate 0 from zero gradients (AdamW and SGD leave the parameters unchanged
+    then, bit for bit: the decay factor is exactly 1 and the update exactly 0)."""
+    if tensors and not optimizer.state:
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        set_learning_rate(optimizer, 0.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+    mine = transfer_state_tensors(optimizer, params, local)
+    if [tuple(t.shape) for t in mine] != [tuple(t.shape) for t in tensors]:
+        raise ValueError(f"the optimizer state received has {len(tensors)} tensors that do not match this rank's "
+                         f"{len(mine)} (a peer with another model, optimizer or shard layout)")
+    for target, value in zip(mine, tensors):
+        target.copy_(value)

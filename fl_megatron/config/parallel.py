@@ -132,6 +132,23 @@ class FederationConfig:
     error_feedback: bool = field(
         default=False, metadata={"help": "bf16/int8/int4 sync: carry each rank's compression error into its next sync "
                                          "(one more fp32 shard per rank)"})
+    elastic: bool = field(
+        default=False, metadata={"help": "each federation group is its own job (its own torchrun, world and failure "
+                                         "domain); the groups meet at syncs over torchft's quorum of the live groups "
+                                         "(--fl-lighthouse), and a restarted or new group heals from them "
+                                         "(docs/failures.md)"})
+    lighthouse: Optional[str] = field(
+        default=None, metadata={"help": "elastic: HOST:PORT of the torchft lighthouse every group reports to "
+                                        "(default: the TORCHFT_LIGHTHOUSE environment variable)"})
+    group_id: Optional[int] = field(
+        default=None, metadata={"help": "elastic: this job's federation group slot, 0 .. --fl-num-groups - 1 "
+                                        "(default: the FL_GROUP_ID environment variable)"})
+    min_groups: int = field(
+        default=1, metadata={"help": "elastic: live groups a sync needs; with fewer, the live ones wait up to "
+                                     "--fl-quorum-timeout-minutes, then stop (the lighthouse's --min_replicas)"})
+    quorum_timeout_minutes: float = field(
+        default=30.0, metadata={"help": "elastic: how long a sync waits for its quorum of live groups (a "
+                                        "restarted group also waits this long for the live groups' next sync)"})
 
     @property
     def resolved_outer_lr(self) -> float:
@@ -221,8 +238,40 @@ class FederationConfig:
         elif self.error_feedback and self.sync_dtype == "fp32":
             errors.append("error_feedback needs a compressed sync (sync_dtype bf16, int8 or int4): fp32 loses nothing")
         errors += self._gossip_errors()
+        errors += self._elastic_errors()
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))
+
+    def _elastic_errors(self) -> list[str]:
+        """What elastic mode refuses, with the reason (docs/failures.md, "Elastic mode")."""
+        if not self.elastic:
+            return [f"{name}={getattr(self, name)!r} is for elastic mode (--fl-elastic)"
+                    for name in ("lighthouse", "group_id") if getattr(self, name) is not None]
+        errors = []
+        if self.min_groups < 1:
+            errors.append(f"min_groups={self.min_groups} must be at least 1")
+        if self.quorum_timeout_minutes <= 0:
+            errors.append(f"quorum_timeout_minutes={self.quorum_timeout_minutes} must be positive")
+        if self.num_groups is None:
+            errors.append("elastic mode needs num_groups (--fl-num-groups: the number of group slots; each job "
+                          "is one group, so the launcher's world is one group)")
+        elif self.group_id is not None and not 0 <= self.group_id < self.num_groups:
+            errors.append(f"group_id={self.group_id} is not a slot of num_groups={self.num_groups} "
+                          f"(0 .. {self.num_groups - 1})")
+        elif self.min_groups > self.num_groups:
+            errors.append(f"min_groups={self.min_groups} exceeds num_groups={self.num_groups}")
+        if not self.syncing:
+            errors.append("elastic mode syncs the groups: sync_interval must be > 0 and syncing enabled")
+        if self.overlap_steps:
+            errors.append("elastic mode does not overlap syncs (overlap_steps): a sync in flight would span a "
+                          "change of membership, and a group that heals needs the landed average")
+        if self.fragments > 1:
+            errors.append("elastic mode syncs every fragment at once (fragments=1): a group that heals needs "
+                          "the average of every fragment, which would take N syncs")
+        if self.gossip:
+            errors.append(f"elastic mode needs topology complete, not {self.topology}: after a gossip round the "
+                          "groups differ, so the ranks of a healing group could heal from different states")
+        return errors
 
     def _fragment_errors(self) -> list[str]:
         """Problems of --fl-fragments with the interval, the overlap and the other sync options."""

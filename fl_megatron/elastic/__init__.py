@@ -1,7 +1,9 @@
-"""Elastic federation groups (--fl-elastic, in progress): each federation group its own job, the
-inter-group tier torchft's managed process group over the live groups. Imports torchft."""
+"""Elastic federation groups (--fl-elastic): each federation group its own job, the inter-group
+tier torchft's managed process group over the live groups. Imports torchft."""
 
-from .peer_tier import ElasticPeerTier, Membership
+from .groups import ElasticProcessGroups, build_elastic_process_groups, join_tier
+from .peer_tier import ElasticPeerTier
 from .quorum_group import registered_quorum_group, unregister_quorum_group
 
-__all__ = ["ElasticPeerTier", "Membership", "registered_quorum_group", "unregister_quorum_group"]
+__all__ = ["ElasticPeerTier", "ElasticProcessGroups", "build_elastic_process_groups", "join_tier", "registered_quorum_group",
+           "unregister_quorum_group"]

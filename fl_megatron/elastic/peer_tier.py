@@ -2,29 +2,13 @@
 over the live federation groups, rank k of each group meeting rank k of the others."""
 
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
 
+from ..federation.membership import Membership
 from .quorum_group import registered_quorum_group, unregister_quorum_group
-
-
-@dataclass(frozen=True)
-class Membership:
-    """One sync's quorum as this rank sees it (the same on every rank of every live group)."""
-
-    quorum_id: int
-    groups: tuple          # the live groups' ids, in quorum-rank order
-    rank: int              # this group's index in `groups` (its rank in the peer group)
-    participants: int      # groups contributing to this sync (healing ones receive only)
-    healed: bool           # this group was behind and took the live groups' state
-    seconds: float         # how long the quorum (and healing) took here
-
-    @property
-    def size(self) -> int:
-        return len(self.groups)
 
 
 def _torchft():
@@ -61,6 +45,10 @@ class ElasticPeerTier:
         self._registered = None
 
     @property
+    def has_quorum(self) -> bool:
+        return self._registered is not None
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The current quorum's process group (valid after `meet`)."""
         if self._registered is None:
@@ -80,8 +68,10 @@ class ElasticPeerTier:
             self._registered = registered_quorum_group(raw, self.backend, self.manager._quorum_id, self._pg._rank)
         groups = tuple(r // self.group_size for r in self._pg._global_ranks)
         healed = self.manager.current_step() != before
-        return Membership(self.manager._quorum_id, groups, self._pg._rank, self.manager.num_participants(),
-                          healed, time.perf_counter() - start)
+        if self.manager.errored() is not None:  # the quorum's communicator or the healing failed
+            raise RuntimeError(f"elastic: quorum {self.manager._quorum_id} failed on this rank: "
+                               f"{self.manager.errored().original_exception}")
+        return Membership(self.manager._quorum_id, groups, self._pg._rank, healed, time.perf_counter() - start)
 
     def report_error(self, error: Exception) -> None:
         """A collective of this sync failed: the sync will not commit anywhere in this group."""

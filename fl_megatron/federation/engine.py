@@ -17,6 +17,7 @@ from .graphs import gossip_round
 from .groups import ProcessGroups
 from .health import AllGroupsSick, GroupFigures, Vote, take_vote
 from .ledger import CommLedger
+from .membership import Membership
 from .outer import OuterOptimizer
 from .overlap import InFlight, Overlapper
 from .schedule import sync_due
@@ -36,6 +37,9 @@ class SyncResult:
     graph: str = "complete"  # the communication graph of this sync (--fl-topology)
     consensus: Optional[Consensus] = None  # DBench metrics, measured before anything moved
     fragments: tuple = ()  # the fragments this sync moved (--fl-fragments; empty: every shard)
+    membership: Optional[Membership] = None  # the groups that met (elastic mode: the live ones)
+    joined: tuple = ()     # groups that healed at this sync: they received the average, sent nothing
+    committed: bool = True  # False: the sync failed somewhere and every shard was restored (elastic mode)
 
 
 class FederationEngine:
@@ -123,24 +127,36 @@ class FederationEngine:
             return self._launch(step, figures) or landed
         return self.sync(step, figures, full=last)
 
-    def _health(self, step: int, shards: list, figures: Optional[GroupFigures]) -> tuple[list, bool, Optional[int]]:
+    def _meet(self) -> Membership:
+        """The groups of this sync (in elastic mode the live ones, after any healing): the
+        averagers work over their peer group."""
+        membership = self.groups.meet()
+        peer = self.groups.exchange_peer or self.groups.peer
+        for averager in (*self.averagers, self.state_averager):
+            averager.peer_group, averager.num_groups = peer, membership.size
+        return membership
+
+    def _health(self, step: int, shards: list, figures: Optional[GroupFigures],
+                membership: Membership) -> tuple[list, bool, Optional[int]]:
         """The vote (kept in `self.vote`): (sick groups, whether this rank's group contributes,
-        contributors or None if all)."""
+        contributors or None if all). Sick and healing groups send nothing and receive the average."""
         layout, group = self.groups.layout, self.groups.coords[0]
         self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
                               self.config.sick_loss_ratio, self.groups.federation, self.groups.peer,
                               self.groups.mesh.device_type)
         sick = self.vote.sick
-        if len(sick) == layout.num_groups:
+        left_out = set(sick) | set(self.vote.joining)
+        contributors = sum(g not in left_out for g in membership.groups)
+        if contributors == 0:
             raise AllGroupsSick(f"every federation group is sick at step {step} (non-finite shards or a diverged "
                                 "loss): nothing is left to average; stopping without saving")
-        return sick, group not in sick, (layout.num_groups - len(sick) if sick else None)
+        return sick, group not in left_out, (contributors if contributors != membership.size else None)
 
     def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:
         """Start a sync in the background (--fl-overlap-steps): it lands K steps later. With
         fragments, a sick group is reset at once instead, by a blocking sync of every fragment."""
         shards = self.backend.local_shards()
-        sick, include, contributors = self._health(step, shards, figures)
+        sick, include, contributors = self._health(step, shards, figures, self._meet())
         if sick and self.fragments > 1:
             return self.sync(step, figures, full=True, voted=True)
         consensus = self._measure() if self.config.measures_consensus else None
@@ -165,29 +181,52 @@ class FederationEngine:
         stats = self.overlapper.wait(flight)
         shards = self.backend.local_shards()
         Overlapper.land(flight, self.outers[flight.fragment], self._fragments(shards)[flight.fragment])
-        self._inner_state(stats, flight.include, flight.contributors, flight.fragment)
+        self._inner_state(stats, flight.include, flight.contributors, self.groups.coords[0] in flight.sick,
+                          flight.fragment)
         self.backend.refresh_after_sync()
         return self._result(flight.step, start, stats, flight.consensus, Choice("complete"), flight.sick, shards,
                             self._moved((flight.fragment,)))
 
     def sync(self, step: int, figures: Optional[GroupFigures] = None, full: bool = True,
-             voted: bool = False) -> SyncResult:
+             voted: bool = False, membership: Optional[Membership] = None) -> SyncResult:
         """Sync now (collective over all ranks, but only ever inside a federation group or a
         peer group): vote, measure the consensus, then average over all groups or, unless
         `full`, mix along this sync's graph (--fl-topology). Groups whose shards hold NaN/Inf
         (or whose loss is past --fl-sick-loss-ratio times the best group's) are left out of a
         full average and reset to the others'; AllGroupsSick if no group is left. `voted`: the
-        vote of this step was taken already (a launch that turned into a blocking sync)."""
+        vote of this step was taken already (a launch that turned into a blocking sync).
+        `membership`: the quorum met already (a group healing at start-up).
+
+        Where the groups may vote a sync down (elastic mode: torchft's commit), a failed
+        collective is reported instead of raised, and a sync that does not commit restores the
+        shards and the engine's state as they were before it (a host copy of both)."""
         if self.flight is not None:
             self.land()
         start = time.perf_counter()
+        membership = membership or self._meet()
+        backup = self._backup() if self.groups.may_roll_back else None
+        try:
+            result = self._sync(step, figures, full, voted, membership, start)
+        except RuntimeError as e:  # a peer lost during the sync's collectives (AllGroupsSick is no RuntimeError)
+            if backup is None:
+                raise
+            self.groups.report_error(e)
+            result = None
+        if backup is not None and not self.groups.commit():
+            self._restore(backup)
+            return SyncResult(step, time.perf_counter() - start, 0, 0, 0.0, 0.0, membership=membership,
+                              committed=False)
+        return result
+
+    def _sync(self, step: int, figures: Optional[GroupFigures], full: bool, voted: bool, membership: Membership,
+              start: float) -> SyncResult:
         shards = self.backend.local_shards()
         if voted:
             sick = self.vote.sick
             include = self.groups.coords[0] not in sick
             contributors = self.groups.layout.num_groups - len(sick) if sick else None
         else:
-            sick, include, contributors = self._health(step, shards, figures)
+            sick, include, contributors = self._health(step, shards, figures, membership)
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
         moved: tuple = ()
@@ -210,11 +249,28 @@ class FederationEngine:
             layout, group = self.groups.layout, self.groups.coords[0]
             stats = self.averager.average(shards, mixing=gossip_round(choice.graph, layout.num_groups, group,
                                                                       choice.round_index))
-        self._inner_state(stats, include, contributors, moved[0] if len(moved) == 1 else None)
+        self._inner_state(stats, include, contributors, self.groups.coords[0] in sick,
+                          moved[0] if len(moved) == 1 else None)
         if choice.graph != "none":
             self.backend.refresh_after_sync()
-        return self._result(step, start, stats, consensus, choice, tuple(sick),
-                            shards if self.outers else None, self._moved(moved))
+        result = self._result(step, start, stats, consensus, choice, tuple(sick),
+                              shards if self.outers else None, self._moved(moved))
+        result.membership, result.joined = membership, tuple(self.vote.joining)
+        return result
+
+    def _backup(self) -> tuple[list, dict]:
+        """Host copies of the shards and the engine's state: what a sync voted down restores
+        (one more fp32 copy of this rank's shards in host memory while the sync runs)."""
+        shards = [s.detach().to("cpu", copy=True) for s in self.backend.local_shards()]
+        return shards, {k: v.detach().to("cpu", copy=True) for k, v in self.state_tensors().items()}
+
+    @torch.no_grad()
+    def _restore(self, backup: tuple[list, dict]) -> None:
+        shards, state = backup
+        for shard, saved in zip(self.backend.local_shards(), shards):
+            shard.copy_(saved)
+        self.load_state_tensors(state)
+        self.backend.refresh_after_sync()
 
     def _moved(self, fragments: tuple) -> tuple:
         """The fragments a sync moved, as reported (empty without --fl-fragments)."""
@@ -248,11 +304,12 @@ class FederationEngine:
         return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
                           consensus.variance, rms, sick, choice.graph, consensus, fragments)
 
-    def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int],
+    def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int], sick: bool,
                      fragment: Optional[int] = None) -> None:
         """--fl-inner-state: keep, average (left-out groups take the others' mean) or reset; a
-        left-out (sick) group always restarts its moments unless they are averaged. A sync of
-        one fragment averages the same fraction of the moments (cut the same way), in turn."""
+        sick group always restarts its moments unless they are averaged (a healing group keeps
+        the moments it received). A sync of one fragment averages the same fraction of the
+        moments (cut the same way), in turn."""
         policy = self.config.inner_state
         if policy == "average":
             state = self.backend.inner_state_shards()
@@ -262,7 +319,7 @@ class FederationEngine:
                 moved = self.state_averager.average(state, include, contributors)
                 stats.inter_group_bytes += moved.inter_group_bytes
                 stats.intra_group_bytes += moved.intra_group_bytes
-        elif policy == "reset" or not include:
+        elif policy == "reset" or sick:
             if hasattr(self.backend, "reset_optimizer_state"):
                 self.backend.reset_optimizer_state()
 
@@ -285,6 +342,11 @@ class FederationEngine:
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore `state_tensors` (from a checkpoint, a healing transfer or a backup: moved to the
+        shards' device)."""
+        shards = self.backend.local_shards()
+        if shards:
+            tensors = {k: v.to(shards[0].device) for k, v in tensors.items()}
         for fragment in range(self.fragments):
             prefix = self._state_prefix(fragment)
             mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -7,6 +7,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .membership import Membership, whole_federation
 from ..topology import (MESH_DIM_NAMES, Layout, coords, federation_groups, mesh_shape, peer_groups, replica_groups,
                         shard_groups, spans_nodes)
 
@@ -49,6 +50,21 @@ class ProcessGroups:
         lists = {"peer": peer_groups, "replica": replica_groups, "shard": shard_groups}[kind](self.layout)
         mine = next(g for g in lists if self.rank in g)
         return "inter-node" if spans_nodes(self.layout, mine) else "intra-node"
+
+    # --- membership: the same calls in one world and in elastic mode (elastic.groups) -------
+    may_roll_back = False  # whether a sync's result can be voted down (torchft's commit)
+
+    def meet(self) -> Membership:
+        """The groups that meet at this sync; in one world every group, at once."""
+        return whole_federation(self.layout.num_groups, self.coords[0])
+
+    def commit(self) -> bool:
+        """Whether the sync that just ran may be kept; in one world a failed sync raised instead."""
+        return True
+
+    def report_error(self, error: Exception) -> None:
+        """A collective of this sync failed; in one world the error ends the job (training.failures)."""
+        raise error
 
     def all_reduce_job(self, tensor, op=dist.ReduceOp.SUM) -> None:
         """Reduce `tensor` over every rank of the job in place without a world collective: inside

@@ -4,7 +4,7 @@ figures of the step (loss, gradient norm) and whether any rank asked to stop.
 Two tiny all-reduces (MAX): inside the federation group (its ranks' flags), then over the peer
 group (one rank of every group), so every rank of the job ends with the same vote and no
 collective spans the job. Each group fills its own slots of the peer vector; the others hold
--inf, so MAX gathers the groups' figures.
+-inf, so MAX gathers the groups' figures (in elastic mode the slots of absent groups stay -inf).
 """
 
 import math
@@ -31,6 +31,7 @@ class GroupFigures:
     grad_norm: Optional[float] = None   # the group's gradient norm of the step
     signalled: bool = False             # this rank received SIGTERM (--exit-signal-handler)
     timed_out: bool = False             # this rank is past --exit-duration-in-mins
+    healing: bool = False               # the group took the live groups' state at this quorum (elastic)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Vote:
     grad_norms: list = field(default_factory=list)
     signalled: bool = False   # some rank received SIGTERM
     timed_out: bool = False   # some rank is past its time limit
+    joining: list = field(default_factory=list)  # groups that healed at this quorum: they receive only
 
 
 def any_nonfinite(shards: list[torch.Tensor]) -> bool:
@@ -71,14 +73,15 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     """The vote of sync `step`. Sick: a non-finite value in any shard of the group, a non-finite
     loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's."""
     mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
-                         float(figures.signalled), float(figures.timed_out)], dtype=torch.float64, device=device_type)
+                         float(figures.healing), float(figures.signalled), float(figures.timed_out)],
+                        dtype=torch.float64, device=device_type)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
-    table = torch.full((3 * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
-    table[[group, num_groups + group, 2 * num_groups + group]] = mine[:3]
-    table[3 * num_groups:] = mine[3:]
+    table = torch.full((4 * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
+    table[[group, num_groups + group, 2 * num_groups + group, 3 * num_groups + group]] = mine[:4]
+    table[4 * num_groups:] = mine[4:]
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=peer_group)
     values = table.tolist()
-    bad, losses, norms = (values[k * num_groups:(k + 1) * num_groups] for k in range(3))
+    bad, losses, norms, healing = (values[k * num_groups:(k + 1) * num_groups] for k in range(4))
     sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
     known = {g: v for g, v in enumerate(losses) if v != -math.inf}
     if loss_ratio > 0:
@@ -88,4 +91,4 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
             sick |= {g for g, v in known.items() if g not in sick and v > loss_ratio * best}
     shown = lambda v: None if v == -math.inf else v  # noqa: E731
     return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
-                values[-2] > 0, values[-1] > 0)
+                values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0])

@@ -18,6 +18,24 @@ class LaunchEnv:
     local_world_size: int
     # whether the launcher said how many processes run on this node (else it is a guess)
     local_world_from_launcher: bool = field(default=False, compare=False)
+    # elastic mode: this process's rank and size in its own job (one federation group), while
+    # rank and world_size place it in the whole federation; None: the job is the federation
+    job: tuple | None = field(default=None, compare=False)
+
+    @property
+    def job_rank(self) -> int:
+        return self.rank if self.job is None else self.job[0]
+
+    @property
+    def job_world_size(self) -> int:
+        return self.world_size if self.job is None else self.job[1]
+
+    def in_federation(self, group_id: int, num_groups: int) -> "LaunchEnv":
+        """Elastic mode: this job is federation group `group_id` of `num_groups` slots; ranks in
+        the federation are group_id * group size + job rank (the data and the layout use them)."""
+        size = self.world_size
+        return LaunchEnv(group_id * size + self.rank, num_groups * size, self.local_rank, self.local_world_size,
+                         self.local_world_from_launcher, (self.rank, size))
 
     @property
     def device(self) -> torch.device:
@@ -75,23 +93,24 @@ def read_launch_env() -> LaunchEnv:
 
 
 def init_distributed(env: LaunchEnv, timeout_minutes: float) -> None:
-    """Create the default process group: NCCL on GPUs, gloo on CPU; one process needs no launcher."""
+    """Create the default process group (the job's: in elastic mode one federation group's): NCCL on
+    GPUs, gloo on CPU; one process needs no launcher."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
-        if env.local_world_size < env.world_size:
+        if env.local_world_size < env.job_world_size:
             raise ValueError(
-                f"MASTER_ADDR is not set and the {env.world_size} ranks span several nodes: set it "
+                f"MASTER_ADDR is not set and the {env.job_world_size} ranks span several nodes: set it "
                 "to the first node's address (under SLURM: export MASTER_ADDR=$(scontrol show "
                 "hostnames $SLURM_JOB_NODELIST | head -n 1)) and MASTER_PORT to a free port")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", str(env.rank))
-    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    os.environ.setdefault("RANK", str(env.job_rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.job_world_size))
     device = env.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            rank=env.rank, world_size=env.world_size,
+                            rank=env.job_rank, world_size=env.job_world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes),
                             device_id=device if device.type == "cuda" else None)

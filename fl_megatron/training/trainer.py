@@ -20,6 +20,7 @@ from ..federation.health import GroupFigures
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
 from .failures import PhaseTracker
+from .healing import HealingState, MembershipLog
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -53,8 +54,9 @@ class Trainer:
         """`samples`: (train, valid) samples already opened by the caller, or None to open them."""
         cfg = run.cfg
         self.run, self.cfg, self.env, self.layout = run, cfg, env, run.layout
-        self.is_writer = env.rank == 0
+        self.is_writer = env.job_rank == 0  # elastic mode: each group's job writes its own run directory
         self.federated = run.layout.is_federated
+        self.elastic = cfg.federation.elastic
         t = cfg.training
         self.accum = run.accumulation
         init_distributed(env, cfg.parallel.distributed_timeout_minutes)
@@ -65,10 +67,8 @@ class Trainer:
         self._banner()
         torch.manual_seed(t.seed)
         self.train_source, self.valid_samples = self._load_data(samples)
-        self.groups = build_process_groups(self.layout, self.device.type,
-                                           timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
-                                           exchange=bool(cfg.federation.overlap_steps),
-                                           async_checkpoint=cfg.checkpoint.async_save)
+        self.healing = HealingState()
+        self.groups = self._process_groups(timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
         self.group = self.groups.coords[0]
         # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
         self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)
@@ -78,6 +78,11 @@ class Trainer:
         self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
         self.start_step = self.checkpointer.resume(lambda text: say(text, self.is_writer))
+        self.healing.backend, self.healing.engine = self.backend, self.engine
+        self.members = MembershipLog(self.group, self.layout.num_groups,
+                                     t.micro_batch_size * self.accum * self.layout.group_size)
+        self._membership_fields: dict = {}  # elastic mode: who met at the last sync (its records carry them)
+        self._joining_sync: Optional[SyncResult] = self._join() if self.elastic else None
         self.files.open_metrics(self.start_step)
         if self.group_writer:
             self.files.open_group_metrics(self.group)
@@ -88,6 +93,43 @@ class Trainer:
         self._eval_traffic = _Calibrated()
 
     # --- set-up ---------------------------------------------------------------------------
+    def _process_groups(self, timeout: timedelta):
+        """The rank's groups; in elastic mode this job's own, and torchft's tier to the others."""
+        cfg = self.cfg
+        if not self.elastic:
+            return build_process_groups(self.layout, self.device.type, timeout,
+                                        exchange=bool(cfg.federation.overlap_steps),
+                                        async_checkpoint=cfg.checkpoint.async_save)
+        from ..elastic import build_elastic_process_groups, join_tier
+
+        tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, self.device.type, timeout,
+                         self.healing.source, self.healing.receive)
+        return build_elastic_process_groups(self.layout, self.env.rank, self.device.type, tier, timeout,
+                                            async_checkpoint=cfg.checkpoint.async_save)
+
+    def _join(self) -> Optional[SyncResult]:
+        """Elastic mode, at start-up: meet the live groups. At a fresh start every group is at step
+        0 and nothing moves; a restarted or new group waits for the live groups' next sync, heals
+        there from them (shards, inner optimizer state, the engine's state, the step) and takes
+        part in that sync as a receiver. Returns that sync, or None."""
+        say(f"  group {self.group}: meeting the live groups (lighthouse {self.cfg.federation.lighthouse})",
+            self.is_writer)
+        membership = self.groups.meet()
+        if not membership.healed:
+            self.groups.commit()
+            self.members.live = membership.groups
+            say(f"  group {self.group}: joined groups {', '.join(map(str, membership.groups))} at the start",
+                self.is_writer)
+            return None
+        self.start_step = self.healing.step
+        say(f"  group {self.group}: healed from the live groups at step {self.start_step} in "
+            f"{membership.seconds:.2f} s (no checkpoint read)", self.is_writer)
+        sync = self.engine.sync(self.start_step, GroupFigures(healing=True), full=True, membership=membership)
+        if not sync.committed:
+            raise RuntimeError(f"group {self.group}: the sync it healed at (step {self.start_step}) was voted down; "
+                               "restarting")
+        return sync
+
     def _banner(self) -> None:
         if not self.is_writer:
             return
@@ -144,6 +186,7 @@ class Trainer:
         if nan_requested(self.group, done):  # a sick group, for tests (FL_MEGATRON_FAULT)
             with torch.no_grad():
                 self.backend.local_shards()[0].view(-1)[0] = math.nan
+        self.healing.step = done
         voting = self.engine.due(done, last)
         figures = None
         if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
@@ -152,10 +195,19 @@ class Trainer:
         sync = self.engine.after_step(done, last=last, loss=loss, figures=figures)
         if lockstep():  # the coupled loop, for the benchmark's "before" row
             dist.all_reduce(torch.zeros(2, device=self.device))
+        if sync is not None and self.elastic:
+            self._elastic_sync(sync)
         if sync is not None and sync.sick_groups:
             say(f"  step {done}: federation group(s) {', '.join(map(str, sync.sick_groups))} left out of the "
                 "average (non-finite shards or a diverged loss) and reset to the others' average", self.is_writer)
         return StepOutcome(loss, norm, lr, sync, figures)
+
+    def _elastic_sync(self, sync: SyncResult) -> None:
+        """Who met at `sync`: console lines and the fields its records carry (elastic mode)."""
+        fields, lines = self.members.after_sync(sync, self.healing)
+        self._membership_fields = fields
+        for line in lines:
+            say(line, self.is_writer)
 
     def _group_figures(self, done: int, loss: torch.Tensor, norm: torch.Tensor) -> GroupFigures:
         """The group's mean loss and gradient norm of this step, and whether any of its ranks
@@ -219,15 +271,20 @@ class Trainer:
         """Mean held-out loss over all ranks: each group evaluates its own model on its ranks'
         share of a fixed held-out set, so after a sync this is the averaged model's loss."""
         t = self.cfg.training
-        batches = eval_batches(self.valid_samples, self.env.rank, self.env.world_size,
-                               t.micro_batch_size, t.eval_iters)
+        # elastic mode: each group evaluates the whole held-out set on its own (groups meet only at syncs)
+        rank, world = (self.env.job_rank, self.env.job_world_size) if self.elastic else \
+            (self.env.rank, self.env.world_size)
+        batches = eval_batches(self.valid_samples, rank, world, t.micro_batch_size, t.eval_iters)
 
         def work():
             return torch.stack([self._loss(b) for b in batches]).mean()
 
         loss = self._measured(self._eval_traffic, work).reshape(1)
+        if self.elastic:
+            dist.all_reduce(loss, group=self.groups.federation)
+            return float(loss) / world
         self.groups.all_reduce_job(loss)  # an evaluation is a meeting of the groups
-        return float(loss) / self.env.world_size
+        return float(loss) / world
 
     # --- the loop -------------------------------------------------------------------------
     def train(self) -> dict:
@@ -252,6 +309,11 @@ class Trainer:
         intervals = (Interval(start), Interval(start))  # since the last group record, federation record
         stopped, done, loss = None, self.start_step, None
         evals: list[dict] = []
+        if self._joining_sync is not None:  # the sync this group healed at, before its first step
+            self._elastic_sync(self._joining_sync)
+            if self.is_writer:
+                self.records.log({"step": self.start_step, "elapsed_s": 0.0, "sync_seconds": self._joining_sync.seconds,
+                                  **self._membership_fields})
         for step in range(self.start_step, t.train_iters):
             done = step + 1
             outcome = self.step(step)
@@ -328,6 +390,8 @@ class Trainer:
                 loss, norm, groups = None, None, {}
             record = step_record(done, per_step, elapsed, loss, norm, outcome.lr,
                                  steps * per_step / max(seconds, 1e-9), sync, self.ledger.snapshot())
+            if self.elastic and sync is not None:
+                groups = {**groups, **self._membership_fields}
             self._log_federation({k: v for k, v in {**record, **groups}.items() if v is not None}, sync, eta)
 
     def _log_federation(self, record: dict, sync: Optional[SyncResult], eta: float) -> None:
@@ -361,10 +425,10 @@ class Trainer:
         keys = sorted(snapshot)
         totals = torch.tensor([float(snapshot[k]) for k in keys] + [math.nan if last_loss is None else float(last_loss)],
                               dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
-        last_loss = float(totals[-1]) / self.env.world_size  # the last step's loss over all ranks
+        dist.all_reduce(totals)  # over the job: in elastic mode, this group
+        last_loss = float(totals[-1]) / self.env.job_world_size  # the last step's loss over the job's ranks
         peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
-        peaks = [torch.zeros_like(peak) for _ in range(self.env.world_size)]
+        peaks = [torch.zeros_like(peak) for _ in range(self.env.job_world_size)]
         dist.all_gather(peaks, peak)
         tokens = (done - self.start_step) * self.run.tokens_per_step
         summary = {
@@ -386,6 +450,8 @@ class Trainer:
                        "hsdp_shard_size": self.layout.shard_size, "replicas": self.layout.replicas,
                        "sync_interval": self.cfg.federation.sync_interval if self.engine.active else 0},
         }
+        if self.elastic:
+            summary["elastic"] = {"group": self.group, **self.members.summary(self.healing)}
         self.files.write_summary(summary)
         say(f"done: {done - self.start_step} steps in {format_duration(wall)}, {summary['tokens_per_s']:,.0f} tok/s, "
             f"final train loss {last_loss:.4f}"

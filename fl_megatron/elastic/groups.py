@@ -1,0 +1,73 @@
+"""The process groups of one rank in elastic mode: its own job is one federation group (the shard
+and replica groups live in it), the peer group is the current quorum's torchft group."""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ..config.parallel import FederationConfig
+from ..federation.groups import ProcessGroups, build_process_groups
+from ..federation.membership import Membership
+from ..topology import Layout
+from .peer_tier import ElasticPeerTier
+
+
+@dataclass
+class ElasticProcessGroups(ProcessGroups):
+    """`ProcessGroups` whose layout is the whole federation (ranks and coordinates are federation
+    ranks) while every group below the peer tier is built in this job's own world. The engine
+    calls `meet` before each sync and `commit` after it, as in one world."""
+
+    elastic_tier: Optional[ElasticPeerTier] = None
+
+    may_roll_back = True
+
+    @property
+    def peer(self) -> Optional[dist.ProcessGroup]:
+        """The ranks holding this rank's shard position in the live groups of the current quorum
+        (None before the first quorum: the engine binds its averagers at each sync's `meet`)."""
+        return self.elastic_tier.group if self.elastic_tier.has_quorum else None
+
+    def meet(self) -> Membership:
+        return self.elastic_tier.meet()
+
+    def commit(self) -> bool:
+        return self.elastic_tier.commit()
+
+    def report_error(self, error: Exception) -> None:
+        self.elastic_tier.report_error(error)
+
+
+def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, tier: ElasticPeerTier,
+                                 timeout: Optional[timedelta] = None,
+                                 async_checkpoint: bool = False) -> ElasticProcessGroups:
+    """This job's groups (collective over the job) for federation rank `rank` of `layout`."""
+    if dist.get_world_size() != layout.group_size:
+        raise ValueError(f"elastic mode: this job has {dist.get_world_size()} ranks but a federation group has "
+                         f"{layout.group_size}; launch one group per job")
+    local = Layout(layout.group_size, min(layout.ranks_per_node, layout.group_size), layout.group_size,
+                   layout.shard_size)
+    own = build_process_groups(local, device_type, timeout, async_checkpoint=async_checkpoint)
+    return ElasticProcessGroups(layout=layout, rank=rank, mesh=own.mesh, shard_mesh=own.shard_mesh,
+                                federation=own.federation, checkpoint=own.checkpoint, elastic_tier=tier)
+
+
+def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: str, timeout: timedelta,
+              state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> ElasticPeerTier:
+    """This rank's torchft manager (collective over the job). Its group's manager server starts
+    on rank 0 first: torchft publishes the server's address in the job's store, where a restarted
+    job would otherwise find its previous attempt's address."""
+    address = fed.lighthouse if "://" in fed.lighthouse else f"http://{fed.lighthouse}"
+
+    def tier() -> ElasticPeerTier:
+        return ElasticPeerTier(fed.group_id, job_rank, job_size, address, os.environ["MASTER_ADDR"],
+                               int(os.environ["MASTER_PORT"]), fed.min_groups, state_dict, load_state_dict,
+                               device_type, timeout=timeout,
+                               quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes))
+
+    made = tier() if job_rank == 0 else None
+    dist.barrier()
+    return made or tier()

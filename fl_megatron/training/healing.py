@@ -1,0 +1,94 @@
+"""Elastic mode: what one rank hands a healing group, what it takes when it heals, and the
+record of who met at each sync (metrics.jsonl, the console, summary.json)."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..federation import SyncResult
+
+
+@dataclass
+class HealingState:
+    """The training position that travels with the shards to a healing group: the step of the
+    sync the live groups are at, the samples skipped so far, the last synced step. Each group
+    keeps its own copy; they agree after every committed sync."""
+
+    step: int = 0             # the last finished optimizer step (the sync's step while meeting)
+    last_sync: int = 0        # the step of the last committed sync
+    skipped_samples: int = 0  # samples of absent or healing groups since the start (never trained on)
+    healed_at: Optional[int] = None  # this process joined by healing at this sync step
+    backend: object = None
+    engine: object = None
+
+    def source(self) -> dict:
+        """This rank's state for rank k of a healing group. torchft calls it on its quorum thread
+        while the main thread waits in the quorum: it reads tensors and issues no collective."""
+        return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
+                "shards": self.backend.local_shards(), "optimizer": self.backend.optimizer_transfer_state(),
+                "engine": self.engine.state_tensors()}
+
+    @torch.no_grad()
+    def receive(self, state: dict) -> None:
+        """Take a live rank's `source` (on the main thread, inside the quorum). Error-feedback
+        residuals come along with the engine's state where the sender has them."""
+        shards = self.backend.local_shards()
+        if [tuple(s.shape) for s in shards] != [tuple(s.shape) for s in state["shards"]]:
+            raise ValueError("the shards received for healing do not match this rank's shard layout")
+        for shard, value in zip(shards, state["shards"]):
+            shard.copy_(value)
+        self.backend.load_optimizer_transfer_state(state["optimizer"])
+        self.engine.load_state_tensors(state["engine"])
+        self.backend.refresh_after_sync()
+        self.step, self.last_sync = state["step"], state["last_sync"]
+        self.skipped_samples, self.healed_at = state["skipped_samples"], state["step"]
+
+
+@dataclass
+class MembershipLog:
+    """The live groups sync by sync, as one group sees them: console lines, record fields, counts."""
+
+    group: int
+    num_groups: int
+    samples_per_group_step: int
+    live: Optional[tuple] = None
+    counts: dict = field(default_factory=lambda: {"left": 0, "joined": 0, "healed": 0, "failed_syncs": 0})
+
+    def after_sync(self, sync: SyncResult, state: HealingState) -> tuple[dict, list[str]]:
+        """(fields for the sync's records, console lines) of one sync; updates `state`'s counts."""
+        m = sync.membership
+        if not sync.committed:
+            self.counts["failed_syncs"] += 1
+            return {"sync_committed": False, "groups": list(m.groups)}, [
+                f"  step {sync.step}: the sync failed (a peer lost during it) and was voted down: every group "
+                "kept its shards from before it"]
+        lines = []
+        if self.live is not None:
+            left = sorted(set(self.live) - set(m.groups))
+            joined = sorted(set(m.groups) - set(self.live))
+            if left:
+                self.counts["left"] += len(left)
+                lines.append(f"  step {sync.step}: group(s) {', '.join(map(str, left))} left the federation "
+                             f"(live: {', '.join(map(str, m.groups))})")
+            if joined:
+                self.counts["joined"] += len(joined)
+                lines.append(f"  step {sync.step}: group(s) {', '.join(map(str, joined))} joined the federation")
+        if sync.joined:
+            self.counts["healed"] += len(sync.joined)
+            lines.append(f"  step {sync.step}: group(s) {', '.join(map(str, sync.joined))} healed from the live "
+                         f"group(s) {', '.join(str(g) for g in m.groups if g not in sync.joined)}"
+                         + (f" in {m.seconds:.2f} s" if m.healed else ""))
+        self.live = m.groups
+        absent = self.num_groups - m.size + len(sync.joined)
+        state.skipped_samples += absent * (sync.step - state.last_sync) * self.samples_per_group_step
+        state.last_sync = sync.step
+        record = {"groups": list(m.groups), "quorum_id": m.quorum_id, "quorum_s": round(m.seconds, 4),
+                  "healed_groups": list(sync.joined), "skipped_samples": state.skipped_samples}
+        if m.healed:
+            record["heal_s"] = round(m.seconds, 4)
+        return record, lines
+
+    def summary(self, state: HealingState) -> dict:
+        return {**self.counts, "skipped_samples": state.skipped_samples, "healed_at_step": state.healed_at,
+                "final_groups": list(self.live or ())}
