@@ -4,7 +4,8 @@
 the process at once (exit code 86), on every rank.
 `FL_MEGATRON_FAULT=kill:PHASE:STEP:RANK` (e.g. `kill:sync:4:1`) makes `kill_point(PHASE, STEP,
 RANK)` SIGKILL that one rank in that phase of that step, as a lost node would; the others must
-notice (see training.failures). `hang:PHASE:STEP:RANK` SIGSTOPs it instead: a rank that hangs
+notice (see training.failures); PHASE `exchange` is inside a sync, after the vote, before the
+average moves data (a peer lost mid-sync). `hang:PHASE:STEP:RANK` SIGSTOPs it instead: a rank that hangs
 with its connections open, which the others can only notice by the collective timeout.
 `FL_MEGATRON_FAULT=nan-shard:GROUP@STEP` (GROUP a number or `all`) makes `nan_requested(GROUP,
 STEP)` true: the trainer then writes a NaN into that group's shards after that step (a sick

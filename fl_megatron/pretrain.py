@@ -95,6 +95,11 @@ def _elastic_env(cfg, env):
                                         ("--fl-num-groups", fed.num_groups)) if value is None]
     if missing:
         raise ValueError("elastic mode (--fl-elastic) needs " + ", ".join(missing))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        raise ValueError("elastic mode: torchrun restarts this group, but its workers share the rendezvous store "
+                         "across restarts, where a restarted rank can read its dead predecessor's address; launch "
+                         "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (tools/elastic_launch.py "
+                         "and the SLURM recipes do)")
     if fed.group_size not in (None, env.world_size):
         raise ValueError(f"elastic mode: each job is one federation group, but --fl-group-size {fed.group_size} "
                          f"differs from the job's {env.world_size} ranks")

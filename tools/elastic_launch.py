@@ -47,7 +47,9 @@ def elastic_commands(num_groups: int, ranks_per_group: int, min_groups: int, fla
                         "need groups >= 1, ranks >= 1 and 1 <= min groups <= groups")
     if problems:
         raise ValueError("; ".join(problems))
-    env = {"RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+    # a fresh rendezvous store per torchrun restart: on the shared one a restarted rank can read
+    # its dead predecessor's address (pretrain refuses elastic restarts without this)
+    env = {"RUST_LOG": "warn", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     commands = [Command("lighthouse", [str(Path(python).parent / LIGHTHOUSE_EXE), "--bind", lighthouse,
                                        "--min_replicas", str(min_groups), "--quorum_tick_ms", "100",
                                        "--join_timeout_ms", str(join_timeout_ms),

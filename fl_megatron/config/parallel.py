@@ -146,6 +146,10 @@ class FederationConfig:
     min_groups: int = field(
         default=1, metadata={"help": "elastic: live groups a sync needs; with fewer, the live ones wait up to "
                                      "--fl-quorum-timeout-minutes, then stop (the lighthouse's --min_replicas)"})
+    sync_digest: bool = field(
+        default=False, metadata={"help": "elastic: record a SHA-256 of each rank's shards after every sync in the "
+                                         "group's metrics.jsonl (after an fp32 average the groups agree bit for bit; "
+                                         "one host read of the shards per sync)"})
     quorum_timeout_minutes: float = field(
         default=30.0, metadata={"help": "elastic: how long a sync waits for its quorum of live groups (a "
                                         "restarted group also waits this long for the live groups' next sync)"})
@@ -246,7 +250,9 @@ class FederationConfig:
         """What elastic mode refuses, with the reason (docs/failures.md, "Elastic mode")."""
         if not self.elastic:
             return [f"{name}={getattr(self, name)!r} is for elastic mode (--fl-elastic)"
-                    for name in ("lighthouse", "group_id") if getattr(self, name) is not None]
+                    for name in ("lighthouse", "group_id") if getattr(self, name) is not None] + \
+                (["sync_digest is for elastic mode (--fl-elastic), where each group writes its own records"]
+                 if self.sync_digest else [])
         errors = []
         if self.min_groups < 1:
             errors.append(f"min_groups={self.min_groups} must be at least 1")
@@ -268,6 +274,9 @@ class FederationConfig:
         if self.fragments > 1:
             errors.append("elastic mode syncs every fragment at once (fragments=1): a group that heals needs "
                           "the average of every fragment, which would take N syncs")
+        if self.dbench_metrics:
+            errors.append("elastic mode does not measure DBench metrics (dbench_metrics) yet: their table is reduced "
+                          "across groups after the exchange, where a sync that may be voted down keeps to its group")
         if self.gossip:
             errors.append(f"elastic mode needs topology complete, not {self.topology}: after a gossip round the "
                           "groups differ, so the ranks of a healing group could heal from different states")

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config.parallel import FederationConfig
+from ..faults import kill_point
 from ..graph_fit import wire_shards_per_sync
 from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
@@ -17,6 +19,7 @@ from .graphs import gossip_round
 from .groups import ProcessGroups
 from .health import AllGroupsSick, GroupFigures, Vote, take_vote
 from .ledger import CommLedger
+from .rollback import HostBackup, host_backup
 from .membership import Membership
 from .outer import OuterOptimizer
 from .overlap import InFlight, Overlapper
@@ -127,10 +130,10 @@ class FederationEngine:
             return self._launch(step, figures) or landed
         return self.sync(step, figures, full=last)
 
-    def _meet(self) -> Membership:
-        """The groups of this sync (in elastic mode the live ones, after any healing): the
-        averagers work over their peer group."""
-        membership = self.groups.meet()
+    def _meet(self, membership: Optional[Membership] = None) -> Membership:
+        """The groups of this sync (in elastic mode the live ones, after any healing; given: met
+        already): the averagers work over their peer group."""
+        membership = membership or self.groups.meet()
         peer = self.groups.exchange_peer or self.groups.peer
         for averager in (*self.averagers, self.state_averager):
             averager.peer_group, averager.num_groups = peer, membership.size
@@ -197,36 +200,69 @@ class FederationEngine:
         vote of this step was taken already (a launch that turned into a blocking sync).
         `membership`: the quorum met already (a group healing at start-up).
 
-        Where the groups may vote a sync down (elastic mode: torchft's commit), a failed
-        collective is reported instead of raised, and a sync that does not commit restores the
-        shards and the engine's state as they were before it (a host copy of both)."""
+        Where the groups may vote a sync down (elastic mode), see `_sync_or_roll_back`."""
         if self.flight is not None:
             self.land()
         start = time.perf_counter()
-        membership = membership or self._meet()
-        backup = self._backup() if self.groups.may_roll_back else None
+        membership = self._meet(membership)
+        if self.groups.may_roll_back:
+            return self._sync_or_roll_back(step, figures, full, membership, start)
+        done = self._exchange(step, figures, full, voted, membership)
+        if done.choice.graph != "none":
+            self.backend.refresh_after_sync()
+        result = self._result(step, start, done.stats, done.consensus, done.choice, done.sick,
+                              done.shards if self.outers else None, self._moved(done.moved))
+        result.membership, result.joined = membership, tuple(self.vote.joining)
+        return result
+
+    def _sync_or_roll_back(self, step: int, figures: Optional[GroupFigures], full: bool, membership: Membership,
+                           start: float) -> SyncResult:
+        """A sync torchft's commit may vote down (elastic mode). A collective that fails (a peer
+        lost midway) is reported, not raised; then every rank of the group makes exactly one more
+        collective, inside the group, whatever happened to it (the error flag and the metrics'
+        sums), so that no rank waits on a group mate that gave up; then the commit. Not committed:
+        the shards and the engine's state are restored from a host copy taken before the sync.
+        The metrics are this group's: its distance from the average, not the spread of all groups."""
+        backup = host_backup(self.backend.local_shards(), self.state_tensors())
+        failed, done = None, None
         try:
-            result = self._sync(step, figures, full, voted, membership, start)
-        except RuntimeError as e:  # a peer lost during the sync's collectives (AllGroupsSick is no RuntimeError)
-            if backup is None:
-                raise
-            self.groups.report_error(e)
-            result = None
-        if backup is not None and not self.groups.commit():
+            done = self._exchange(step, figures, full, False, membership)
+        except AllGroupsSick:
+            raise
+        except RuntimeError as e:  # a peer lost during the sync's collectives
+            failed = e
+        sums = self._metric_sums(done.stats, done.shards if self.outers else None) if done else [0.0, 0.0, 0.0]
+        agreed = torch.tensor([float(failed is not None), *sums], dtype=torch.float64,
+                              device=self.groups.mesh.device_type)
+        dist.all_reduce(agreed, group=self.groups.federation)
+        if failed is not None:
+            self.groups.report_error(failed)
+        if not self.groups.commit():
             self._restore(backup)
             return SyncResult(step, time.perf_counter() - start, 0, 0, 0.0, 0.0, membership=membership,
                               committed=False)
-        return result
+        if done is None:
+            raise RuntimeError(f"the sync of step {step} failed on this rank but was committed") from failed
+        if done.choice.graph != "none":
+            self.backend.refresh_after_sync()
+        variance, rms = _variance_and_rms(agreed[1:])
+        return SyncResult(step, time.perf_counter() - start, done.stats.inter_group_bytes,
+                          done.stats.intra_group_bytes, variance, rms, done.sick, done.choice.graph,
+                          membership=membership, joined=tuple(self.vote.joining))
 
-    def _sync(self, step: int, figures: Optional[GroupFigures], full: bool, voted: bool, membership: Membership,
-              start: float) -> SyncResult:
+    def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: bool,
+                  membership: Membership) -> "_Exchanged":
+        """The vote and the exchange of a sync (every cross-group collective of it), in place."""
         shards = self.backend.local_shards()
         if voted:
             sick = self.vote.sick
             include = self.groups.coords[0] not in sick
             contributors = self.groups.layout.num_groups - len(sick) if sick else None
         else:
+            if membership.healed:  # this group took a live group's state in the quorum: it receives only
+                figures = GroupFigures(healing=True)
             sick, include, contributors = self._health(step, shards, figures, membership)
+        kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
         moved: tuple = ()
@@ -251,25 +287,10 @@ class FederationEngine:
                                                                       choice.round_index))
         self._inner_state(stats, include, contributors, self.groups.coords[0] in sick,
                           moved[0] if len(moved) == 1 else None)
-        if choice.graph != "none":
-            self.backend.refresh_after_sync()
-        result = self._result(step, start, stats, consensus, choice, tuple(sick),
-                              shards if self.outers else None, self._moved(moved))
-        result.membership, result.joined = membership, tuple(self.vote.joining)
-        return result
+        return _Exchanged(stats, tuple(sick), consensus, choice, moved, shards)
 
-    def _backup(self) -> tuple[list, dict]:
-        """Host copies of the shards and the engine's state: what a sync voted down restores
-        (one more fp32 copy of this rank's shards in host memory while the sync runs)."""
-        shards = [s.detach().to("cpu", copy=True) for s in self.backend.local_shards()]
-        return shards, {k: v.detach().to("cpu", copy=True) for k, v in self.state_tensors().items()}
-
-    @torch.no_grad()
-    def _restore(self, backup: tuple[list, dict]) -> None:
-        shards, state = backup
-        for shard, saved in zip(self.backend.local_shards(), shards):
-            shard.copy_(saved)
-        self.load_state_tensors(state)
+    def _restore(self, backup: HostBackup) -> None:
+        backup.restore(self.backend.local_shards(), self.load_state_tensors)
         self.backend.refresh_after_sync()
 
     def _moved(self, fragments: tuple) -> tuple:
@@ -369,15 +390,37 @@ class FederationEngine:
         """Variance across groups and parameter rms, pooled over every rank's sample. With an
         outer optimizer the averaged values were pseudo-gradients (same variance across
         groups: the anchors are equal); the rms is then taken over the new shards."""
+        totals = torch.tensor(self._metric_sums(stats, shards), dtype=torch.float64,
+                              device=self.groups.mesh.device_type)
+        self.groups.all_reduce_job(totals)
+        return _variance_and_rms(totals)
+
+    @staticmethod
+    def _metric_sums(stats: SyncStats, shards=None) -> list[float]:
+        """This rank's (squared deviations, squares, sample count) of the sync's sample."""
         sq_mean = stats.sq_mean_sum
         if shards is not None and shards:  # the mean square over every element, weighted like the sample
             elements = sum(s.numel() for s in shards)
             norms = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s in shards])
             sq_mean = float(norms.pow(2).sum()) * stats.samples / max(1, elements)
-        totals = torch.tensor([stats.sq_dev_sum, sq_mean, float(stats.samples)],
-                              dtype=torch.float64, device=self.groups.mesh.device_type)
-        self.groups.all_reduce_job(totals)
-        sq_dev, sq_mean, count = totals.tolist()
-        if count == 0:
-            return 0.0, 0.0
-        return sq_dev / count, (sq_mean / count) ** 0.5
+        return [stats.sq_dev_sum, sq_mean, float(stats.samples)]
+
+
+@dataclass
+class _Exchanged:
+    """What a sync's exchange did on this rank, before the refresh and the metrics."""
+
+    stats: SyncStats
+    sick: tuple
+    consensus: Optional[Consensus]
+    choice: Choice
+    moved: tuple
+    shards: list
+
+
+def _variance_and_rms(totals: torch.Tensor) -> tuple[float, float]:
+    """Variance across groups and parameter rms from summed (squared deviations, squares, count)."""
+    sq_dev, sq_mean, count = totals.tolist()
+    if count == 0:
+        return 0.0, 0.0
+    return sq_dev / count, (sq_mean / count) ** 0.5

@@ -47,8 +47,11 @@ class PeerLost(RuntimeError):
 class PhaseTracker:
     """What this rank is doing (phase, step) and where its peers run, to explain a failure."""
 
-    def __init__(self, rank: int, world_size: int, run_dir: Path) -> None:
+    def __init__(self, rank: int, world_size: int, run_dir: Path, fault_rank: Optional[int] = None) -> None:
+        """`rank` of `world_size` in this job; `fault_rank`: the rank a test's kill fault names
+        (elastic mode: the federation rank; default `rank`)."""
         self.rank, self.phase, self.step = rank, "start-up", 0
+        self.fault_rank = rank if fault_rank is None else fault_rank
         self.notes = Path(run_dir) / NOTES_DIR
         self.peers: list = [None] * world_size
         dist.all_gather_object(self.peers, (socket.gethostname(), os.getpid()))
@@ -56,7 +59,7 @@ class PhaseTracker:
     def enter(self, phase: str, step: int) -> None:
         """Now in `phase` of optimizer step `step` (1-based); a test may kill this rank here."""
         self.phase, self.step = phase, step
-        kill_point(phase, step, self.rank)
+        kill_point(phase, step, self.fault_rank)
 
     def _note(self, rank: int) -> Path:
         return self.notes / f"rank{rank}.txt"

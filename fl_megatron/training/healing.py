@@ -1,10 +1,12 @@
 """Elastic mode: what one rank hands a healing group, what it takes when it heals, and the
 record of who met at each sync (metrics.jsonl, the console, summary.json)."""
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..federation import SyncResult
 
@@ -57,11 +59,11 @@ class MembershipLog:
 
     def after_sync(self, sync: SyncResult, state: HealingState) -> tuple[dict, list[str]]:
         """(fields for the sync's records, console lines) of one sync; updates `state`'s counts."""
-        m = sync.membership
+        m, step = sync.membership, state.step  # a group that healed at this sync is at the live groups' step
         if not sync.committed:
             self.counts["failed_syncs"] += 1
             return {"sync_committed": False, "groups": list(m.groups)}, [
-                f"  step {sync.step}: the sync failed (a peer lost during it) and was voted down: every group "
+                f"  step {step}: the sync failed (a peer lost during it) and was voted down: every group "
                 "kept its shards from before it"]
         lines = []
         if self.live is not None:
@@ -69,20 +71,20 @@ class MembershipLog:
             joined = sorted(set(m.groups) - set(self.live))
             if left:
                 self.counts["left"] += len(left)
-                lines.append(f"  step {sync.step}: group(s) {', '.join(map(str, left))} left the federation "
+                lines.append(f"  step {step}: group(s) {', '.join(map(str, left))} left the federation "
                              f"(live: {', '.join(map(str, m.groups))})")
             if joined:
                 self.counts["joined"] += len(joined)
-                lines.append(f"  step {sync.step}: group(s) {', '.join(map(str, joined))} joined the federation")
+                lines.append(f"  step {step}: group(s) {', '.join(map(str, joined))} joined the federation")
         if sync.joined:
             self.counts["healed"] += len(sync.joined)
-            lines.append(f"  step {sync.step}: group(s) {', '.join(map(str, sync.joined))} healed from the live "
+            lines.append(f"  step {step}: group(s) {', '.join(map(str, sync.joined))} healed from the live "
                          f"group(s) {', '.join(str(g) for g in m.groups if g not in sync.joined)}"
                          + (f" in {m.seconds:.2f} s" if m.healed else ""))
         self.live = m.groups
         absent = self.num_groups - m.size + len(sync.joined)
-        state.skipped_samples += absent * (sync.step - state.last_sync) * self.samples_per_group_step
-        state.last_sync = sync.step
+        state.skipped_samples += absent * (step - state.last_sync) * self.samples_per_group_step
+        state.last_sync = step
         record = {"groups": list(m.groups), "quorum_id": m.quorum_id, "quorum_s": round(m.seconds, 4),
                   "healed_groups": list(sync.joined), "skipped_samples": state.skipped_samples}
         if m.healed:
@@ -92,3 +94,15 @@ class MembershipLog:
     def summary(self, state: HealingState) -> dict:
         return {**self.counts, "skipped_samples": state.skipped_samples, "healed_at_step": state.healed_at,
                 "final_groups": list(self.live or ())}
+
+
+def shard_digests(shards: list, group) -> list[str]:
+    """SHA-256 of each rank's shards, gathered over its federation group (rank order): after an
+    fp32 average rank k of every group holds the same bytes (--fl-sync-digest)."""
+    h = hashlib.sha256()
+    for shard in shards:
+        h.update(shard.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor(list(h.digest()[:8]), dtype=torch.int64, device=shards[0].device if shards else "cpu")
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [bytes(int(b) for b in d.tolist()).hex() for d in every]

@@ -20,7 +20,7 @@ from ..federation.health import GroupFigures
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
 from .failures import PhaseTracker
-from .healing import HealingState, MembershipLog
+from .healing import HealingState, MembershipLog, shard_digests
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -60,7 +60,7 @@ class Trainer:
         t = cfg.training
         self.accum = run.accumulation
         init_distributed(env, cfg.parallel.distributed_timeout_minutes)
-        self.phases = PhaseTracker(env.rank, env.world_size, t.run_dir)
+        self.phases = PhaseTracker(env.job_rank, env.job_world_size, t.run_dir, fault_rank=env.rank)
         self.device = env.device
         self.files = RunFiles(t.run_dir, self.is_writer)
         self.files.write_config(config_to_json(cfg))
@@ -205,6 +205,8 @@ class Trainer:
     def _elastic_sync(self, sync: SyncResult) -> None:
         """Who met at `sync`: console lines and the fields its records carry (elastic mode)."""
         fields, lines = self.members.after_sync(sync, self.healing)
+        if self.cfg.federation.sync_digest:
+            fields["shard_digests"] = shard_digests(self.backend.local_shards(), self.groups.federation)
         self._membership_fields = fields
         for line in lines:
             say(line, self.is_writer)
@@ -314,9 +316,16 @@ class Trainer:
             if self.is_writer:
                 self.records.log({"step": self.start_step, "elapsed_s": 0.0, "sync_seconds": self._joining_sync.seconds,
                                   **self._membership_fields})
-        for step in range(self.start_step, t.train_iters):
+        step = self.start_step
+        while step < t.train_iters:
             done = step + 1
             outcome = self.step(step)
+            step = done
+            if outcome.sync is not None and outcome.sync.membership is not None and outcome.sync.membership.healed:
+                # a live group that missed a quorum healed at this one: it goes on from the live groups' step
+                say(f"  group {self.group}: behind the live groups, healed at their step {self.healing.step} in "
+                    f"{outcome.sync.membership.seconds:.2f} s", self.is_writer)
+                step = done = self.healing.step
             loss = outcome.loss
             for interval in intervals:
                 interval.steps += 1

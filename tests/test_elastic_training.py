@@ -1,0 +1,136 @@
+"""Elastic mode end to end: each federation group its own torchrun job, a torchft lighthouse, the
+groups meeting only at syncs (tools/elastic_launch.py).
+
+- No faults: 3 groups x 2 ranks train exactly as the one-world run of the same layout (per-step
+  losses of every group within 1e-6) and are bit-identical after every sync.
+- A group dies: a rank of group 1 is SIGKILLed between two syncs; groups 0 and 2 go on without
+  restarting and sync without it; torchrun restarts group 1, which heals from them at a later sync
+  (no checkpoint) and ends bit-identical to them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "tools" / "elastic_launch.py"
+COMMON = ["--config", str(ROOT / "examples" / "demo.json"), "--seq-length", "64", "--micro-batch-size", "2",
+          "--lr-warmup-iters", "2", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
+          "--fl-sync-interval", "4"]
+
+
+def _env(fault: str = "") -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FL_MEGATRON_DEVICE": "cpu", "RUST_LOG": "warn"}
+    env.pop("FL_MEGATRON_FAULT", None)
+    if fault:
+        env["FL_MEGATRON_FAULT"] = fault
+    return env
+
+
+def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
+             timeout: float = 420) -> None:
+    argv = [sys.executable, str(LAUNCHER), "--groups", "3", "--ranks-per-group", "2", "--min-groups", str(min_groups),
+            "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", "1000",
+            "--timeout", str(timeout), "--", *COMMON, "--train-iters", str(steps), "--fl-sync-digest",
+            "--run-dir", str(run_dir)]
+    done = subprocess.run(argv, env=_env(fault), capture_output=True, text=True, timeout=timeout + 60)
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-3000:] for p in sorted((run_dir / "launch").glob("*.log")))
+    assert done.returncode == 0, f"elastic run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}{logs}"
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _group_dir(run_dir: Path, g: int) -> Path:
+    return run_dir / f"group_{g:05d}"
+
+
+def _syncs(run_dir: Path, g: int) -> dict:
+    """Group g's sync records by step."""
+    return {r["step"]: r for r in _records(_group_dir(run_dir, g) / "metrics.jsonl") if "groups" in r}
+
+
+def test_elastic_without_faults_equals_one_world(tmp_path):
+    steps = 12
+    _elastic(tmp_path / "elastic", steps, min_groups=3)
+    one_world = tmp_path / "one_world"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6",
+                    "-m", "fl_megatron.pretrain", *COMMON, "--train-iters", str(steps), "--fl-group-size", "2",
+                    "--run-dir", str(one_world)], env=_env(), check=True, capture_output=True, timeout=420)
+    for g in range(3):
+        mine = {r["step"]: r["loss"] for r in _records(_group_dir(tmp_path / "elastic", g) / "groups" /
+                                                      f"group_{g:05d}.jsonl")}
+        ref = {r["step"]: r["loss"] for r in _records(one_world / "groups" / f"group_{g:05d}.jsonl")}
+        assert sorted(mine) == sorted(ref) == list(range(1, steps + 1))
+        for step in ref:
+            assert abs(mine[step] - ref[step]) <= 1e-6, (g, step, mine[step], ref[step])
+    syncs = [_syncs(tmp_path / "elastic", g) for g in range(3)]
+    assert sorted(syncs[0]) == [4, 8, 12]
+    for step in (4, 8, 12):
+        assert [s[step]["groups"] for s in syncs] == [[0, 1, 2]] * 3
+        digests = [s[step]["shard_digests"] for s in syncs]
+        assert digests[0] == digests[1] == digests[2], (step, digests)
+    # the digests change from sync to sync (they hash the shards, not a constant)
+    assert syncs[0][4]["shard_digests"] != syncs[0][8]["shard_digests"]
+
+
+# the survivors pause before step 9 (after the sync of step 8, which they make without group 1):
+# long enough for torchrun to restart group 1 on a busy 2-core machine, so that it heals at step 12
+PAUSE = "delay:0:9:25,delay:2:9:25"
+
+
+def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path):
+    steps, run = 16, tmp_path / "run"
+    # global rank 3 = rank 1 of group 1, killed in the forward-backward of step 6 (between syncs 4 and 8)
+    _elastic(run, steps, min_groups=2, fault="kill:forward-backward:6:3," + PAUSE, max_restarts=1)
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
+    for g in (0, 2):  # the survivors never restarted: one run from step 1 to the end
+        assert summaries[g]["first_step"] == 1 and summaries[g]["last_step"] == steps
+        assert summaries[g]["elastic"]["healed_at_step"] is None
+    healed_at = summaries[1]["elastic"]["healed_at_step"]
+    assert healed_at == 12 and summaries[1]["first_step"] == healed_at + 1
+    syncs = [_syncs(run, g) for g in range(3)]
+    # while group 1 was down the survivors synced among themselves, then it healed at `healed_at`
+    down = [s for s in sorted(syncs[0]) if 4 < s < healed_at]
+    assert down and all(syncs[0][s]["groups"] == [0, 2] == syncs[2][s]["groups"] for s in down)
+    assert syncs[0][healed_at]["healed_groups"] == [1] == syncs[2][healed_at]["healed_groups"]
+    assert syncs[1][healed_at]["heal_s"] > 0 and syncs[1][healed_at]["groups"] == [0, 1, 2]
+    # from the heal on, every group holds the same bytes after each sync
+    for step in [s for s in sorted(syncs[0]) if s >= healed_at]:
+        digests = [syncs[g][step]["shard_digests"] for g in range(3)]
+        assert digests[0] == digests[1] == digests[2], (step, digests)
+    assert max(syncs[0]) == steps
+    # its samples while down were never trained on: counted the same by every group
+    per_step = 2 * 2  # micro-batch x ranks of one group
+    expected = (healed_at - 4) * per_step  # from the last sync it took part in to the heal
+    assert [summaries[g]["elastic"]["skipped_samples"] for g in range(3)] == [expected] * 3
+    assert summaries[0]["elastic"]["left"] == 1 and summaries[0]["elastic"]["healed"] == 1
+    log = (run / "launch" / "group_0.log").read_text()
+    assert "group(s) 1 left the federation" in log and "group(s) 1 healed from the live group(s) 0, 2" in log
+    assert "no checkpoint read" in (run / "launch" / "group_1.log").read_text()
+
+
+def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp_path):
+    steps, run = 16, tmp_path / "run"
+    # rank 1 of group 1 dies inside the sync after step 8, after the vote: the others' exchange fails midway
+    _elastic(run, steps, min_groups=2, fault="kill:exchange:8:3," + PAUSE, max_restarts=1)
+    syncs = [_syncs(run, g) for g in (0, 2)]
+    for s in syncs:  # voted down everywhere: the sync's partial results were thrown away
+        assert s[8]["sync_committed"] is False
+    # the survivors kept their own pre-sync shards (they differ: nothing was averaged), and the
+    # next sync averages them again: from then on they are identical
+    later = [step for step in sorted(syncs[0]) if step > 8]
+    assert syncs[0][12]["groups"] == [0, 1, 2] and syncs[0][12]["healed_groups"] == [1]
+    assert later and all(syncs[0][t]["shard_digests"] == syncs[1][t]["shard_digests"] for t in later)
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
+    assert [s["last_step"] for s in summaries] == [steps] * 3
+    assert summaries[0]["elastic"]["failed_syncs"] == 1 == summaries[2]["elastic"]["failed_syncs"]
+    final = [json.loads(line) for line in (_group_dir(run, 1) / "metrics.jsonl").read_text().splitlines()]
+    assert final[-1]["step"] == steps and final[-1]["shard_digests"] == syncs[0][steps]["shard_digests"]
