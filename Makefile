@@ -13,7 +13,7 @@ export FL_MEGATRON_DEVICE ?= cpu
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-deepspeed test bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
+.PHONY: demo demo-deepspeed demo-elastic test bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -54,6 +54,16 @@ demo-deepspeed: $(VENV)/.deepspeed
 	PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(DEMO_RANKS) --no_local_rank \
 		--master_addr 127.0.0.1 --module fl_megatron.pretrain --config examples/demo.json --backend deepspeed \
 		--run-dir runs/demo-deepspeed $(ARGS)
+
+$(VENV)/.elastic: setup.py $(VENV)/.package
+	$(BIN)/python -m pip install -q -e ".[elastic]"
+	touch $@
+
+# Elastic mode: a torchft lighthouse plus 3 groups of 2 CPU ranks, each group its own torchrun job
+# (tools/elastic_launch.py; each group writes runs/demo-elastic/group_GGGGG/).
+demo-elastic: $(VENV)/.elastic
+	OMP_NUM_THREADS=1 $(BIN)/python tools/elastic_launch.py --groups 3 --ranks-per-group 2 --min-groups 2 \
+		-- --config examples/demo.json --run-dir runs/demo-elastic $(ARGS)
 
 test: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from fl_megatron.config import FederationConfig
 from fl_megatron.federation import FederationEngine
+from fl_megatron.federation.membership import whole_federation
 from fl_megatron.topology import make_layout
 
 
@@ -31,7 +32,8 @@ class FakeBackend:
 
 def _groups(world):
     layout = make_layout(2, ranks_per_node=1, group_size=1)  # 2 groups of 1 rank, on 2 nodes
-    return SimpleNamespace(layout=layout, coords=(0, 0, 0), peer=world, replica=None, federation=world,
+    return SimpleNamespace(layout=layout, coords=(0, 0, 0), rank=0, peer=world, replica=None, federation=world,
+                           exchange_peer=None, may_roll_back=False, meet=lambda: whole_federation(2, 0),
                            tier=lambda kind: "inter-node", mesh=SimpleNamespace(device_type="cpu"),
                            all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
 
