@@ -21,19 +21,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-from torchft_launch import LIGHTHOUSE_EXE, Command, _kill, _start, _wait_listening, free_port  # noqa: E402
+from torchft_launch import (LIGHTHOUSE_EXE, Command, _flag_value, _kill, _start, _wait_listening,  # noqa: E402
+                            free_port)
 
 SET_BY_LAUNCHER = ("--fl-elastic", "--fl-lighthouse", "--fl-group-id", "--fl-num-groups", "--fl-min-groups",
                    "--world-size")
-
-
-def _flag_value(flags: Sequence[str], name: str) -> Optional[str]:
-    for i, flag in enumerate(flags):
-        if flag == name and i + 1 < len(flags):
-            return flags[i + 1]
-        if flag.startswith(name + "="):
-            return flag.split("=", 1)[1]
-    return None
 
 
 def elastic_commands(num_groups: int, ranks_per_group: int, min_groups: int, flags: Sequence[str], *,
