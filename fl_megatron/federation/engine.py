@@ -383,6 +383,11 @@ class FederationEngine:
         """Anchors from the current (loaded) shards, fresh outer state and residuals."""
         if self.outers:
             self.outers = self._new_outers()
+        self.forget_residuals()
+
+    def forget_residuals(self) -> None:
+        """Error-feedback residuals back to zero (a restart, or a group that healed: the residual
+        it received is its source's own compression error, which the source still carries)."""
         for averager in self.averagers:
             averager.residuals = {}
 

@@ -33,8 +33,8 @@ class HealingState:
 
     @torch.no_grad()
     def receive(self, state: dict) -> None:
-        """Take a live rank's `source` (on the main thread, inside the quorum). Error-feedback
-        residuals come along with the engine's state where the sender has them."""
+        """Take a live rank's `source` (on the main thread, inside the quorum): shards, optimizer
+        state, outer anchors and state; error-feedback residuals start at zero."""
         shards = self.backend.local_shards()
         if [tuple(s.shape) for s in shards] != [tuple(s.shape) for s in state["shards"]]:
             raise ValueError("the shards received for healing do not match this rank's shard layout")
@@ -42,6 +42,7 @@ class HealingState:
             shard.copy_(value)
         self.backend.load_optimizer_transfer_state(state["optimizer"])
         self.engine.load_state_tensors(state["engine"])
+        self.engine.forget_residuals()  # the sender keeps carrying its own compression error
         self.backend.refresh_after_sync()
         self.step, self.last_sync = state["step"], state["last_sync"]
         self.skipped_samples, self.healed_at = state["skipped_samples"], state["step"]
