@@ -34,11 +34,11 @@ def _env(fault: str = "") -> dict:
 
 
 def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
-             timeout: float = 420) -> None:
+             timeout: float = 420, extra: tuple = ()) -> None:
     argv = [sys.executable, str(LAUNCHER), "--groups", "3", "--ranks-per-group", "2", "--min-groups", str(min_groups),
             "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", "1000",
             "--timeout", str(timeout), "--", *COMMON, "--train-iters", str(steps), "--fl-sync-digest",
-            "--run-dir", str(run_dir)]
+            "--run-dir", str(run_dir), *extra]
     done = subprocess.run(argv, env=_env(fault), capture_output=True, text=True, timeout=timeout + 60)
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-3000:] for p in sorted((run_dir / "launch").glob("*.log")))
     assert done.returncode == 0, f"elastic run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}{logs}"
@@ -86,10 +86,12 @@ def test_elastic_without_faults_equals_one_world(tmp_path):
 PAUSE = "delay:0:9:25,delay:2:9:25"
 
 
-def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
+                                         "--fl-error-feedback")], ids=["fedavg", "int8-ef-nesterov"])
+def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # global rank 3 = rank 1 of group 1, killed in the forward-backward of step 6 (between syncs 4 and 8)
-    _elastic(run, steps, min_groups=2, fault="kill:forward-backward:6:3," + PAUSE, max_restarts=1)
+    _elastic(run, steps, min_groups=2, fault="kill:forward-backward:6:3," + PAUSE, max_restarts=1, extra=extra)
     summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
     for g in (0, 2):  # the survivors never restarted: one run from step 1 to the end
         assert summaries[g]["first_step"] == 1 and summaries[g]["last_step"] == steps
