@@ -268,3 +268,29 @@ def test_async_save_is_refused_where_it_cannot_work(capsys, monkeypatch):
     assert "async_save writes with torch.distributed.checkpoint: it is for the fsdp2 backend, not megatron" in \
         capsys.readouterr().err
     assert main([*base, "--save", "/tmp/x"]) == 0
+
+
+ELASTIC = ["--fl-elastic", "--fl-lighthouse", "localhost:29510", "--fl-group-id", "1", "--fl-num-groups", "3"]
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (ELASTIC[:-2], ["elastic mode (--fl-elastic) needs --fl-num-groups"]),
+    (ELASTIC[:1] + ELASTIC[-2:], ["needs --fl-group-id (or FL_GROUP_ID), --fl-lighthouse (or TORCHFT_LIGHTHOUSE)"]),
+    (ELASTIC[:3] + ["--fl-group-id", "3", "--fl-num-groups", "3"], ["group_id=3 is not a slot of num_groups=3"]),
+    (ELASTIC + ["--fl-min-groups", "4"], ["min_groups=4 exceeds num_groups=3"]),
+    (ELASTIC + ["--fl-group-size", "4"], ["--fl-group-size 4 differs from the job's 8 ranks"]),
+    (ELASTIC + ["--fl-overlap-steps", "1"], ["does not overlap syncs"]),
+    (ELASTIC + ["--fl-fragments", "2"], ["syncs every fragment at once"]),
+    (ELASTIC + ["--fl-topology", "ring"], ["needs topology complete, not ring"]),
+    (ELASTIC + ["--backend", "megatron"], ["backend megatron", "use fsdp2 or deepspeed"]),
+    (["--fl-lighthouse", "localhost:29510"], ["lighthouse='localhost:29510' is for elastic mode"]),
+    (["--fl-sync-digest"], ["sync_digest is for elastic mode"]),
+])
+def test_elastic_mode_refuses_what_it_cannot_run(launched, capsys, flags, needles):
+    _fails(capsys, BASE + flags, *needles)
+
+
+def test_elastic_mode_refuses_a_deepspeed_scheduler(launched, capsys, tmp_path):
+    path = _ds_json(tmp_path, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+                   train_batch_size=32, federation={"group_size": 8, "sync_interval": 4})
+    _fails(capsys, BASE + ELASTIC + ["--deepspeed_config", path], "a DeepSpeed 'scheduler' block")

@@ -24,7 +24,8 @@ from ..models import build_model
 from .common import InitialValues, flat_elements, own_singleton_group, wrap_blocks_for_recompute
 from .deepspeed_checks import within_group
 from .pickle_guard import check_deepspeed_dir
-from .optimizer import build_optimizer, parameter_groups, set_learning_rate, state_tensors
+from .optimizer import (build_optimizer, load_transfer_state_tensors, parameter_groups, set_learning_rate,
+                        state_tensors, step_at_zero_lr, transfer_state_tensors)
 
 CHECKPOINT_TAG = "zero3"  # DeepSpeed's sub-directory inside a group's checkpoint directory
 
@@ -141,7 +142,7 @@ class DeepSpeedBackend:
         """Fail clearly if this DeepSpeed keeps its partitions somewhere else."""
         opt = self.optimizer
         missing = [a for a in ("fp16_groups", "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat",
-                               "grad_partitions_flat_buffer", "persistent_parameters",
+                               "grad_partitions_flat_buffer", "persistent_parameters", "sub_group_to_group_id",
                                "_reassign_or_swap_out_partitioned_parameters", "invalidate_secondary_tensor")
                    if not hasattr(opt, a)]
         if missing:
@@ -216,6 +217,32 @@ class DeepSpeedBackend:
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
         self.optimizer.optimizer.state.clear()
+
+    def optimizer_transfer_state(self) -> list[torch.Tensor]:
+        """The inner optimizer's whole state of this rank's fp32 master partitions, step counts
+        included (what a healing group's rank receives in elastic mode)."""
+        return transfer_state_tensors(self.optimizer.optimizer, list(self.optimizer.fp32_partitioned_groups_flat))
+
+    def load_optimizer_transfer_state(self, tensors: list[torch.Tensor]) -> None:
+        """Take a peer rank's `optimizer_transfer_state` (a group healing in elastic mode)."""
+        masters = list(self.optimizer.fp32_partitioned_groups_flat)
+        load_transfer_state_tensors(self.optimizer.optimizer, masters, [t.to(masters[0].device) for t in tensors],
+                                    materialise=self._materialise_optimizer_state)
+
+    @torch.no_grad()
+    def _materialise_optimizer_state(self) -> None:
+        """A fresh inner optimizer's state, made as DeepSpeed steps it: each sub-group's master
+        put in its parameter group for the step only (at learning rate 0 from zero gradients)."""
+        opt = self.optimizer
+        inner = opt.optimizer
+        for i, master in enumerate(opt.fp32_partitioned_groups_flat):
+            group = inner.param_groups[opt.sub_group_to_group_id[i]]
+            held = group["params"]
+            group["params"] = [master]
+            try:
+                step_at_zero_lr(inner, [master])
+            finally:
+                group["params"] = held
 
     @torch.no_grad()
     def refresh_after_sync(self) -> None:

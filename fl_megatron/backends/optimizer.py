@@ -1,5 +1,7 @@
 """The inner optimiser of a federation group (its state is never averaged across groups)."""
 
+from typing import Callable, Optional
+
 import torch
 
 from ..config.training import TrainingConfig
@@ -58,19 +60,29 @@ def transfer_state_tensors(optimizer, params: list, local=_identity) -> list[tor
 
 
 @torch.no_grad()
-def load_transfer_state_tensors(optimizer, params: list, tensors: list, local=_identity) -> None:
-    """Copy `transfer_state_tensors` of a peer rank in. A fresh optimizer first makes its state by
-    one step at learning rate 0 from zero gradients (AdamW and SGD leave the parameters unchanged
-    then, bit for bit: the decay factor is exactly 1 and the update exactly 0)."""
-    if tensors and not optimizer.state:
-        rates = [group["lr"] for group in optimizer.param_groups]
-        for param in params:
-            param.grad = torch.zeros_like(param)
-        set_learning_rate(optimizer, 0.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for group, lr in zip(optimizer.param_groups, rates):
-            group["lr"] = lr
+def step_at_zero_lr(optimizer, params: list) -> None:
+    """Make a fresh optimizer's state by one step at learning rate 0 from zero gradients (AdamW
+    and SGD leave the parameters unchanged then, bit for bit: the decay factor is exactly 1 and
+    the update exactly 0)."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    set_learning_rate(optimizer, 0.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for param in params:  # (an optimizer whose groups do not hold them right now: DeepSpeed's)
+        param.grad = None
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def load_transfer_state_tensors(optimizer, params: list, tensors: list, local=_identity,
+                                materialise: Optional[Callable[[], None]] = None) -> None:
+    """Copy `transfer_state_tensors` of a peer rank in. An optimizer without state for `params`
+    makes it first with `materialise` (default: `step_at_zero_lr`)."""
+    if tensors and not transfer_state_tensors(optimizer, params, local):
+        (materialise or (lambda: step_at_zero_lr(optimizer, params)))()
     mine = transfer_state_tensors(optimizer, params, local)
     if [tuple(t.shape) for t in mine] != [tuple(t.shape) for t in tensors]:
         raise ValueError(f"the optimizer state received has {len(tensors)} tensors that do not match this rank's "

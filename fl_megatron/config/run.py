@@ -121,9 +121,14 @@ class RunConfig:
     def _check_elastic(self) -> None:
         """What elastic mode does not do yet, named (the federation section checked the rest)."""
         problems = []
-        if self.parallel.backend != "fsdp2":
-            problems.append(f"backend {self.parallel.backend}: a healing group receives the inner optimizer's "
-                            "state through the fsdp2 backend's transfer, which deepspeed and megatron lack so far")
+        if self.parallel.backend == "megatron":
+            problems.append("backend megatron: a healing group receives the inner optimizer's state through the "
+                            "backend's transfer, which the megatron-core distributed optimizer lacks so far "
+                            "(use fsdp2 or deepspeed)")
+        if (self.deepspeed or {}).get("scheduler") is not None:
+            problems.append("a DeepSpeed 'scheduler' block: its state does not travel to a healing group, which "
+                            "would then train at another learning rate; drop the block (fl-megatron's own "
+                            "schedule, from the flags, depends only on the step)")
         if self.checkpoint.save or self.checkpoint.load:
             problems.append("--save/--load: elastic checkpoints (one directory per group) are not built yet; a "
                             "restarted group heals from the live groups instead of reading a checkpoint")
