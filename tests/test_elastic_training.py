@@ -87,7 +87,9 @@ PAUSE = "delay:0:9:25,delay:2:9:25"
 
 
 @pytest.mark.parametrize("extra", [(), ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
-                                         "--fl-error-feedback")], ids=["fedavg", "int8-ef-nesterov"])
+                                         "--fl-error-feedback"), ("--backend", "deepspeed"),
+                                   ("--fl-hsdp-shard-size", "1")],
+                         ids=["fedavg", "int8-ef-nesterov", "deepspeed", "fl-hsdp"])
 def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # global rank 3 = rank 1 of group 1, killed in the forward-backward of step 6 (between syncs 4 and 8)
@@ -119,10 +121,13 @@ def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     assert "no checkpoint read" in (run / "launch" / "group_1.log").read_text()
 
 
-def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp_path):
+# FL+HSDP with replica split: of each surviving group only replica 1 (rank 1) loses its peer, while
+# replica 0's exchange succeeds; both still make the same replica gathers, then agree the sync failed
+@pytest.mark.parametrize("extra", [(), ("--fl-hsdp-shard-size", "1")], ids=["fl-fsdp", "fl-hsdp"])
+def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # rank 1 of group 1 dies inside the sync after step 8, after the vote: the others' exchange fails midway
-    _elastic(run, steps, min_groups=2, fault="kill:exchange:8:3," + PAUSE, max_restarts=1)
+    _elastic(run, steps, min_groups=2, fault="kill:exchange:8:3," + PAUSE, max_restarts=1, extra=extra)
     syncs = [_syncs(run, g) for g in (0, 2)]
     for s in syncs:  # voted down everywhere: the sync's partial results were thrown away
         assert s[8]["sync_committed"] is False

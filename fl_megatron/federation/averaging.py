@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .chunks import Chunk, plan_chunks
 from .compression import compressed_mean_
 from .consensus import sampled_blocks
+from .failed_collective import call_directly
 from .graphs import Round
 from .ledger import CommLedger
 
@@ -95,6 +96,8 @@ class ShardAverager:
         self.peer_tier, self.replica_tier = peer_tier, replica_tier
         self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
+        # every collective over the peer group goes through this (elastic mode: a sync's PeerLatch)
+        self.peer_call = call_directly
 
     def plan(self, shards: list[torch.Tensor]) -> list[Chunk]:
         """How `shards` are cut into collectives (same on every rank of a peer group)."""
@@ -160,21 +163,23 @@ class ShardAverager:
             ops = [dist.P2POp(dist.isend, region, group=self.peer_group, group_peer=g) for g in mixing.sends]
             ops += [dist.P2POp(dist.irecv, buf, group=self.peer_group, group_peer=g)
                     for buf, (g, _) in zip(received, mixing.receives)]
-            gossip_works = dist.batch_isend_irecv(ops) if ops else []
+            gossip_works = (self.peer_call(dist.batch_isend_irecv, ops) or []) if ops else []
             nbytes = region.numel() * region.element_size() * len(mixing.sends)
         elif self.sync_dtype != "fp32":
             residual = None
             if self.error_feedback:
                 residual = self.residuals.setdefault(index, torch.zeros_like(region))
-            nbytes = compressed_mean_(region, self.peer_group, self.sync_dtype, include=include,
-                                      contributors=contributors, residual=residual)
+            nbytes = self.peer_call(compressed_mean_, region, self.peer_group, self.sync_dtype, include=include,
+                                    contributors=contributors, residual=residual) or 0
         else:
             if contributors is None:  # the exact path: every group contributes
-                work = dist.all_reduce(region, op=dist.ReduceOp.AVG, group=self.peer_group, async_op=True)
+                work = self.peer_call(dist.all_reduce, region, op=dist.ReduceOp.AVG, group=self.peer_group,
+                                      async_op=True)
             else:
                 if not include:
                     region.zero_()
-                work = dist.all_reduce(region, op=dist.ReduceOp.SUM, group=self.peer_group, async_op=True)
+                work = self.peer_call(dist.all_reduce, region, op=dist.ReduceOp.SUM, group=self.peer_group,
+                                      async_op=True)
                 divisor = contributors
             nbytes = region.numel() * region.element_size()
         stats.inter_group_bytes += nbytes
@@ -187,9 +192,9 @@ class ShardAverager:
                 sums: torch.Tensor) -> int:
         """Complete one piece; returns 1 if it freed a packed buffer."""
         if item.work is not None:
-            item.work.wait()
+            self.peer_call(item.work.wait)
         for work in item.gossip_works:
-            work.wait()
+            self.peer_call(work.wait)
         if item.mixing is not None:
             item.region.mul_(item.mixing.self_weight)
             for buf, (_, weight) in zip(item.received, item.mixing.receives):

@@ -14,6 +14,7 @@ from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
 from .consensus import Consensus, measure
 from .contract import ShardOwner
+from .failed_collective import PeerLatch, call_directly
 from .fragments import due_fragment, fragment_views
 from .graphs import gossip_round
 from .groups import ProcessGroups
@@ -86,6 +87,7 @@ class FederationEngine:
         self.flight: Optional[InFlight] = None
         self.schedule = GraphSchedule(config)
         self.vote: Optional[Vote] = None  # the last sync's vote (sick groups, group figures, stop requests)
+        self._peer_call = call_directly  # how the vote calls the peer group (elastic: the sync's PeerLatch)
 
     @property
     def outer(self) -> Optional[OuterOptimizer]:
@@ -146,11 +148,11 @@ class FederationEngine:
         layout, group = self.groups.layout, self.groups.coords[0]
         self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
                               self.config.sick_loss_ratio, self.groups.federation, self.groups.peer,
-                              self.groups.mesh.device_type)
+                              self.groups.mesh.device_type, self._peer_call)
         sick = self.vote.sick
         left_out = set(sick) | set(self.vote.joining)
         contributors = sum(g not in left_out for g in membership.groups)
-        if contributors == 0:
+        if contributors == 0 and getattr(self._peer_call, "error", None) is None:  # (a failed vote knows nothing)
             raise AllGroupsSick(f"every federation group is sick at step {step} (non-finite shards or a diverged "
                                 "loss): nothing is left to average; stopping without saving")
         return sick, group not in left_out, (contributors if contributors != membership.size else None)
@@ -217,31 +219,32 @@ class FederationEngine:
 
     def _sync_or_roll_back(self, step: int, figures: Optional[GroupFigures], full: bool, membership: Membership,
                            start: float) -> SyncResult:
-        """A sync torchft's commit may vote down (elastic mode). A collective that fails (a peer
-        lost midway) is reported, not raised; then every rank of the group makes exactly one more
-        collective, inside the group, whatever happened to it (the error flag and the metrics'
-        sums), so that no rank waits on a group mate that gave up; then the commit. Not committed:
-        the shards and the engine's state are restored from a host copy taken before the sync.
-        The metrics are this group's: its distance from the average, not the spread of all groups."""
+        """A sync torchft's commit may vote down (elastic mode). Every peer collective goes through
+        the sync's PeerLatch: the first that fails (a peer lost midway) is remembered and the
+        later ones are skipped, while the in-group ones (HSDP's replica gathers) go on, so every
+        rank of the group makes the same in-group calls. Then one more, the error flags and the
+        metrics' sums, tells the group whether any of its ranks failed; then the commit. Not
+        committed: the shards and the engine's state are restored from a host copy taken before
+        the sync. The metrics are this group's: its distance from the average."""
         backup = host_backup(self.backend.local_shards(), self.state_tensors())
-        failed, done = None, None
+        latch = self._route_peer_calls(PeerLatch())
         try:
             done = self._exchange(step, figures, full, False, membership)
-        except AllGroupsSick:
-            raise
-        except RuntimeError as e:  # a peer lost during the sync's collectives
-            failed = e
-        sums = self._metric_sums(done.stats, done.shards if self.outers else None) if done else [0.0, 0.0, 0.0]
+        finally:
+            self._route_peer_calls(call_directly)
+        failed = latch.error  # a peer lost during the sync's collectives: the later ones were skipped
+        sums = self._metric_sums(done.stats, done.shards if self.outers else None)
         agreed = torch.tensor([float(failed is not None), *sums], dtype=torch.float64,
                               device=self.groups.mesh.device_type)
         dist.all_reduce(agreed, group=self.groups.federation)
-        if failed is not None:
-            self.groups.report_error(failed)
+        if agreed[0] > 0:  # this rank's peers or a group mate's: the group votes the sync down
+            self.groups.report_error(failed or RuntimeError(f"a rank of this group lost a peer in the sync of "
+                                                            f"step {step}"))
         if not self.groups.commit():
             self._restore(backup)
             return SyncResult(step, time.perf_counter() - start, 0, 0, 0.0, 0.0, membership=membership,
                               committed=False)
-        if done is None:
+        if failed is not None:
             raise RuntimeError(f"the sync of step {step} failed on this rank but was committed") from failed
         if done.choice.graph != "none":
             self.backend.refresh_after_sync()
@@ -249,6 +252,13 @@ class FederationEngine:
         return SyncResult(step, time.perf_counter() - start, done.stats.inter_group_bytes,
                           done.stats.intra_group_bytes, variance, rms, done.sick, done.choice.graph,
                           membership=membership, joined=tuple(self.vote.joining))
+
+    def _route_peer_calls(self, call):
+        """Send every peer collective of the vote and the averagers through `call`; returns it."""
+        self._peer_call = call
+        for averager in (*self.averagers, self.state_averager):
+            averager.peer_call = call
+        return call
 
     def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: bool,
                   membership: Membership) -> "_Exchanged":

@@ -18,3 +18,31 @@ def is_failed_collective(err: BaseException) -> bool:
         return True
     text = one_line(err)
     return isinstance(err, RuntimeError) and any(word in text for word in _WORDS)
+
+
+def call_directly(fn, *args, **kwargs):
+    """A peer collective as it is: a failure raises (one world, where a lost rank ends the job)."""
+    return fn(*args, **kwargs)
+
+
+class PeerLatch:
+    """The peer collectives of one sync that the groups may vote down (elastic mode). The first
+    that fails (a peer lost) is remembered in `error` and every later one of the sync is skipped
+    (returns None), as torchft's managed group does after an error, whatever its kind: all-reduce,
+    all-to-all, all-gather or point-to-point. The in-group collectives are never routed here, so
+    every rank of a group makes the same in-group calls whatever happened to its peers, and the
+    group can agree afterwards that the sync failed."""
+
+    def __init__(self) -> None:
+        self.error = None
+
+    def __call__(self, fn, *args, **kwargs):
+        if self.error is not None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # DistError is one
+            if not is_failed_collective(e):
+                raise
+            self.error = e
+            return None

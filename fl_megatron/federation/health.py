@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .failed_collective import call_directly
+
 
 EXACT_CHECK_ELEMENTS = 1 << 24  # the exact check's slice: 16 MiB of booleans at most
 
@@ -69,9 +71,10 @@ def _slot(value: Optional[float]) -> float:
 
 
 def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, group: int, num_groups: int,
-              loss_ratio: float, federation_group, peer_group, device_type: str) -> Vote:
+              loss_ratio: float, federation_group, peer_group, device_type: str, peer_call=call_directly) -> Vote:
     """The vote of sync `step`. Sick: a non-finite value in any shard of the group, a non-finite
-    loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's."""
+    loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's. The
+    collective over the peer group goes through `peer_call` (elastic mode: the sync's PeerLatch)."""
     mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
                          float(figures.healing), float(figures.signalled), float(figures.timed_out)],
                         dtype=torch.float64, device=device_type)
@@ -79,7 +82,7 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     table = torch.full((4 * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
     table[[group, num_groups + group, 2 * num_groups + group, 3 * num_groups + group]] = mine[:4]
     table[4 * num_groups:] = mine[4:]
-    dist.all_reduce(table, op=dist.ReduceOp.MAX, group=peer_group)
+    peer_call(dist.all_reduce, table, op=dist.ReduceOp.MAX, group=peer_group)
     values = table.tolist()
     bad, losses, norms, healing = (values[k * num_groups:(k + 1) * num_groups] for k in range(4))
     sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
