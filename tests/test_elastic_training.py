@@ -10,6 +10,7 @@ groups meeting only at syncs (tools/elastic_launch.py).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,14 +35,21 @@ def _env(fault: str = "") -> dict:
 
 
 def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
-             timeout: float = 420, extra: tuple = ()) -> None:
-    argv = [sys.executable, str(LAUNCHER), "--groups", "3", "--ranks-per-group", "2", "--min-groups", str(min_groups),
-            "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", "1000",
-            "--timeout", str(timeout), "--", *COMMON, "--train-iters", str(steps), "--fl-sync-digest",
-            "--run-dir", str(run_dir), *extra]
+             timeout: float = 420, extra: tuple = (), groups: int = 3, start_delays: tuple = (),
+             failing: tuple = ()) -> None:
+    """Run the launcher; every group but those in `failing` must exit 0 (and those must not)."""
+    argv = [sys.executable, str(LAUNCHER), "--groups", str(groups), "--ranks-per-group", "2",
+            "--min-groups", str(min_groups), "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000",
+            "--heartbeat-timeout-ms", "1000", "--timeout", str(timeout),
+            *[f"--start-delay={g}:{s}" for g, s in start_delays], "--", *COMMON, "--train-iters", str(steps),
+            "--fl-sync-digest", "--run-dir", str(run_dir), *extra]
     done = subprocess.run(argv, env=_env(fault), capture_output=True, text=True, timeout=timeout + 60)
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-3000:] for p in sorted((run_dir / "launch").glob("*.log")))
-    assert done.returncode == 0, f"elastic run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}{logs}"
+    codes = {name: int(code) for name, code in re.findall(r"'group_(\d+)': (-?\d+|None)", done.stdout)
+             if code != "None"}
+    expected = {str(g): g in failing for g in range(groups)}
+    assert {name: code != 0 for name, code in codes.items()} == expected, \
+        f"elastic run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}{logs}"
 
 
 def _records(path: Path) -> list[dict]:
@@ -141,3 +149,36 @@ def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp
     assert summaries[0]["elastic"]["failed_syncs"] == 1 == summaries[2]["elastic"]["failed_syncs"]
     final = [json.loads(line) for line in (_group_dir(run, 1) / "metrics.jsonl").read_text().splitlines()]
     assert final[-1]["step"] == steps and final[-1]["shard_digests"] == syncs[0][steps]["shard_digests"]
+
+
+def test_a_group_leaves_for_good_and_a_new_one_joins_a_running_federation(tmp_path):
+    steps, run = 16, tmp_path / "run"
+    # 4 group slots. Group 1 is killed in step 6 and not restarted (its job exits for good). Group 3
+    # starts about 25 s late, while groups 0 and 2 run towards step 10, where they pause long
+    # enough for it to come up: it joins at the first sync after it started.
+    _elastic(run, steps, min_groups=2, groups=4, start_delays=((3, 25),), failing=(1,),
+             fault="kill:forward-backward:6:3,delay:0:10:30,delay:2:10:30")
+    syncs = {g: _syncs(run, g) for g in (0, 2, 3)}
+    summaries = {g: json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in (0, 2, 3)}
+    joined_at = summaries[3]["elastic"]["healed_at_step"]
+    assert joined_at in (8, 12) and summaries[3]["first_step"] == joined_at + 1
+    assert syncs[0][4]["groups"] == [0, 1, 2]  # group 3 not started yet
+    for step in sorted(syncs[0]):
+        if 4 < step < joined_at:
+            assert syncs[0][step]["groups"] == [0, 2]  # group 1 gone for good, group 3 not yet there
+    assert syncs[0][joined_at]["groups"] == [0, 2, 3] and syncs[0][joined_at]["healed_groups"] == [3]
+    assert max(syncs[0]) == max(syncs[3]) == steps
+    for step in [t for t in sorted(syncs[0]) if t >= joined_at]:  # the newcomer holds the same bytes
+        digests = [syncs[g][step]["shard_digests"] for g in (0, 2, 3)]
+        assert digests[0] == digests[1] == digests[2], (step, digests)
+    group_1 = _records(_group_dir(run, 1) / "metrics.jsonl")
+    assert max(r["step"] for r in group_1) < 6 and not (_group_dir(run, 1) / "summary.json").exists()
+    for g in (0, 2):
+        assert summaries[g]["elastic"]["left"] == 1 and summaries[g]["elastic"]["joined"] == 1
+        assert summaries[g]["elastic"]["final_groups"] == [0, 2, 3]
+    # the absent slots' samples, counted alike by every live group: slot 1 from step 4, slot 3 until it joined
+    per_step = 2 * 2
+    expected = (steps - 4) * per_step + joined_at * per_step
+    assert [summaries[g]["elastic"]["skipped_samples"] for g in (0, 2, 3)] == [expected] * 3
+    log = (run / "launch" / "group_0.log").read_text()
+    assert "group(s) 1 left the federation" in log and "group(s) 3 joined the federation" in log
