@@ -6,6 +6,7 @@ Everything a user can get wrong (flags, data files, checkpoints, Hugging Face di
 checked here, on every rank, before any process group exists.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -32,17 +33,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         return _fail(str(e))
     dry_run = getattr(ns, "dry_run", False)
-    if cfg.federation.elastic and not dry_run:
+    if cfg.parallel.world_size is not None:
+        if dry_run:  # a dry run plans for --world-size ranks, as if the launcher had started them
+            env = dataclasses.replace(env, rank=0, world_size=cfg.parallel.world_size)
+        elif cfg.parallel.world_size != env.world_size:
+            return _fail(f"--world-size {cfg.parallel.world_size} does not match the launcher's "
+                         f"WORLD_SIZE={env.world_size}")
+    if cfg.federation.elastic:  # the launcher's world is one group's job; `world` becomes the federation's
         try:
             env = _elastic_env(cfg, env)
         except ValueError as e:
             return _fail(str(e))
     world = env.world_size
-    if cfg.parallel.world_size is not None:
-        if not dry_run and cfg.parallel.world_size != env.world_size:
-            return _fail(f"--world-size {cfg.parallel.world_size} does not match the launcher's "
-                         f"WORLD_SIZE={env.world_size}")
-        world = cfg.parallel.world_size
     # a dry run plans for --world-size, not for the processes that happen to run it
     planning = dry_run and (cfg.parallel.world_size or "LOCAL_WORLD_SIZE" not in os.environ)
     local_world = None if planning else env.local_world_size

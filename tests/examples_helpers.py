@@ -86,8 +86,11 @@ def clean_env(**extra) -> dict:
     """This environment without launcher or recipe variables, .venv's bin first on PATH."""
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "FL_DRY_RUN", "FL_MEGATRON_ROOT", "PYTHON", "DEEPSPEED", "DS_ENV_FILE",
-            "MEGATRON_LM_DIR", "DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "PYTHONPATH"}
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+            "MEGATRON_LM_DIR", "DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "PYTHONPATH", "SBATCH",
+            "TORCHFT_LIGHTHOUSE", "FL_GROUP_ID", "FL_CLUSTER", "FL_MIN_GROUPS", "FL_MAX_RESTARTS"}
+    # the elastic scripts' FL_LIGHTHOUSE* and FL_*_TIMEOUT_MS (examples/slurm/elastic/elastic.sh)
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "FL_LIGHTHOUSE"))
+           and not (k.startswith("FL_") and k.endswith("_TIMEOUT_MS"))}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)

@@ -1,6 +1,6 @@
 """tools/gpu_check.sh without a GPU (as CI runs it): every check skipped cleanly; and every
-command line its checks would run on a GPU is one the dry run accepts (so a lent GPU's few
-minutes are not lost to a typo in a flag)."""
+command line its checks would run on a GPU (the elastic check: each group's job) is one the dry
+run accepts (so a lent GPU's few minutes are not lost to a typo in a flag)."""
 
 import importlib.util
 import subprocess
@@ -42,7 +42,16 @@ def test_every_check_runs_command_lines_the_dry_run_accepts(tmp_path, monkeypatc
         seen.append((name, main(argv)))
         return subprocess.CompletedProcess(argv, 1, "", "dry run only")  # the check stops here
 
+    def dry_elastic(work, name, groups, *flags, timeout=300):
+        """Each group's job, as tools/elastic_launch.py would start it, dry-run for its one rank."""
+        for command in module.elastic_commands(work, name, groups, *flags)[1:]:
+            assert command.env["FL_MEGATRON_DEVICE"] == "cuda" and command.env["CUDA_VISIBLE_DEVICES"]
+            argv = command.argv[command.argv.index("fl_megatron.pretrain") + 1:]
+            seen.append((command.name, main([*argv, "--world-size", "1", "--dry-run"])))
+        return {}  # the check stops here
+
     monkeypatch.setattr(module, "pretrain", dry)
+    monkeypatch.setattr(module, "elastic", dry_elastic)
     for index, check in enumerate(module.CHECKS):
         work = tmp_path / f"c{index}"
         work.mkdir()

@@ -7,10 +7,12 @@ behind. One line per check, then `N passed, N failed, N skipped`; exit 1 if any 
 GPU every check is skipped and it exits 0 (CI runs it so).
 
 Checks needing more GPUs than the machine has are skipped, naming how many they need: a
-federated sync needs 2 (one rank per group), FL+HSDP with overlap 4.
+federated sync needs 2 (one rank per group), FL+HSDP with overlap 4, elastic mode 2 (each group's
+job on its own GPU: NCCL takes one GPU per rank of the groups' exchange).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -110,6 +112,56 @@ def dead_rank(work: Path, gpus: int) -> str:
     return "" if proc.returncode != 0 and took < 240 else f"exit {proc.returncode} after {took:.0f} s"
 
 
+
+def elastic_commands(work: Path, name: str, groups: int, *flags: str) -> list:
+    """tools/elastic_launch.py's commands: a lighthouse, then one torchrun job of 1 rank per group
+    (every group needed for a sync), group g on the g-th visible GPU, on CUDA."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import elastic_launch
+
+    commands = elastic_launch.elastic_commands(groups, 1, groups, [*SMALL, "--run-dir", str(work / name), *flags],
+                                               lighthouse=f"127.0.0.1:{elastic_launch.free_port()}", max_restarts=0,
+                                               python=sys.executable)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    gpu = [visible[g] if len(visible) > g and visible[g] else str(g) for g in range(groups)]
+    env = {"FL_MEGATRON_DEVICE": "cuda", "FL_MEGATRON_CACHE": str(work / "cache")}
+    return commands[:1] + [dataclasses.replace(c, env={**c.env, **env, "CUDA_VISIBLE_DEVICES": gpu[g]})
+                           for g, c in enumerate(commands[1:])]
+
+
+def elastic(work: Path, name: str, groups: int, *flags: str, timeout: float = 300) -> dict:
+    """Run elastic_commands(...) with tools/elastic_launch.py; {group name: exit code}, logs in
+    work/name/launch/."""
+    import elastic_launch  # on the path since elastic_commands
+
+    commands = elastic_commands(work, name, groups, *flags)
+    return elastic_launch.run_elastic(commands, work / name / "launch", timeout, {})
+
+
+def elastic_sync(work: Path, gpus: int) -> str:
+    """Elastic mode on NCCL: 2 groups, each its own torchrun job on its own GPU, meeting at syncs
+    through the lighthouse: both finish, every sync has both, and their shards agree bit for bit
+    after each (fp32 FedAvg, --fl-sync-digest)."""
+    from fl_megatron.training.run_files import read_jsonl
+
+    codes = elastic(work, "elastic", 2, "--train-iters", "6", "--fl-sync-interval", "2", "--bf16", "--fl-sync-digest")
+    if not codes or any(code != 0 for code in codes.values()):
+        logs = sorted((work / "elastic" / "launch").glob("group_*.log"))
+        last = [log.read_text().strip().splitlines()[-1:] for log in logs]
+        return f"exit codes {codes}: {[line[0][:160] for line in last if line]}"
+    records = [read_jsonl(work / "elastic" / f"group_{g:05d}" / "metrics.jsonl") for g in range(2)]
+    syncs = [{r["step"]: r for r in rs if "groups" in r} for rs in records]
+    if not sorted(syncs[0]) == sorted(syncs[1]) == [2, 4, 6]:
+        return f"sync steps {[sorted(s) for s in syncs]}, expected [2, 4, 6] in both groups"
+    for step in (2, 4, 6):
+        if [s[step]["groups"] for s in syncs] != [[0, 1], [0, 1]]:
+            return f"step {step}: the groups met as {[s[step]['groups'] for s in syncs]}"
+        if syncs[0][step]["shard_digests"] != syncs[1][step]["shard_digests"]:
+            return f"the groups' shards differ after the sync of step {step}"
+    finite = all(math.isfinite(r["loss"]) for rs in records for r in rs if "loss" in r)
+    return "" if finite else "a loss is not finite"
+
+
 CHECKS = [
     Check("fsdp2 step (bf16)", 1, backend_step("fsdp2")),
     Check("deepspeed step (bf16)", 1, backend_step("deepspeed")),
@@ -125,6 +177,7 @@ CHECKS = [
     Check("sync overlap 1 (FL+HSDP)", 4, sync_mode("--fl-overlap-steps", "1", "--fl-hsdp-shard-size", "1",
                                                  "--fl-outer-optimizer", "nesterov", nproc=4)),
     Check("dead rank on NCCL", 2, dead_rank),
+    Check("elastic, 2 groups' jobs on NCCL", 2, elastic_sync),
 ]
 
 
