@@ -106,21 +106,27 @@ def _elastic_env(cfg, env):
         raise ValueError(f"elastic mode: each job is one federation group, but --fl-group-size {fed.group_size} "
                          f"differs from the job's {env.world_size} ranks")
     fed.validate()
-    cfg.training.run_dir = str(Path(cfg.training.run_dir) / f"group_{fed.group_id:05d}")
+    own = f"group_{fed.group_id:05d}"  # each group's records and checkpoints in a directory of its own
+    cfg.training.run_dir = str(Path(cfg.training.run_dir) / own)
+    for key in ("save", "load"):
+        if getattr(cfg.checkpoint, key) is not None:
+            setattr(cfg.checkpoint, key, str(Path(getattr(cfg.checkpoint, key)) / own))
     return env.in_federation(fed.group_id, fed.num_groups)
 
 
 def _train(run, env, samples) -> int:
     """Train to the end; every failure that can be explained ends in one line and an exit code:
     2 (bad data met in training, a checkpoint that cannot be written), 3 (every group sick),
-    PEER_LOST_EXIT_CODE (a peer died or hung: see training.failures)."""
+    PEER_LOST_EXIT_CODE (a peer died or hung: see training.failures), TOO_FEW_GROUPS_EXIT_CODE
+    (elastic mode: fewer live groups than --fl-min-groups met within the quorum timeout)."""
     import torch.distributed as dist
 
     from .checkpoint import CheckpointReadError, CheckpointWriteError
     from .error_text import one_line
     from .federation.failed_collective import is_failed_collective
     from .federation.health import AllGroupsSick
-    from .training.failures import PEER_LOST_EXIT_CODE, PeerLost
+    from .federation.membership import TooFewGroups
+    from .training.failures import PEER_LOST_EXIT_CODE, TOO_FEW_GROUPS_EXIT_CODE, PeerLost
     from .training.run_data import DataError
     from .training.trainer import Trainer
 
@@ -129,6 +135,11 @@ def _train(run, env, samples) -> int:
     except CheckpointReadError as e:  # found by the ranks reading that group: the others see them go
         print(f"fl_megatron.pretrain: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
         return 2
+    except TooFewGroups as e:  # at start-up: nothing trained, nothing to save
+        if env.job_rank == 0:
+            print(f"fl_megatron.pretrain: error: group {run.cfg.federation.group_id}: {e} (at start-up); stopping",
+                  file=sys.stderr, flush=True)
+        return TOO_FEW_GROUPS_EXIT_CODE
     except RuntimeError as e:  # a peer died or hung while the job was starting
         if not is_failed_collective(e):
             raise
@@ -141,6 +152,12 @@ def _train(run, env, samples) -> int:
         if env.rank == 0:
             print(f"fl_megatron.pretrain: error: {e}", file=sys.stderr, flush=True)
         return 3
+    except TooFewGroups as e:  # every rank of the group waited out the quorum, saved (--save) and summed up
+        if env.job_rank == 0:
+            print(f"fl_megatron.pretrain: error: group {run.cfg.federation.group_id}: {e}; stopped"
+                  + (" after saving" if run.cfg.checkpoint.save else " (no --save: nothing saved)"),
+                  file=sys.stderr, flush=True)
+        return TOO_FEW_GROUPS_EXIT_CODE
     except (DataError, CheckpointWriteError) as e:  # if only this rank finds it, the others see it go (PeerLost)
         print(f"fl_megatron.pretrain: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
         abandoned = True

@@ -283,6 +283,10 @@ ELASTIC = ["--fl-elastic", "--fl-lighthouse", "localhost:29510", "--fl-group-id"
     (ELASTIC + ["--fl-fragments", "2"], ["syncs every fragment at once"]),
     (ELASTIC + ["--fl-topology", "ring"], ["needs topology complete, not ring"]),
     (ELASTIC + ["--backend", "megatron"], ["backend megatron", "use fsdp2 or deepspeed"]),
+    (ELASTIC + ["--save", "/tmp/ckpt", "--save-interval", "6"], ["--save-interval 6", "multiple of --fl-sync-interval"]),
+    (ELASTIC + ["--save", "/tmp/ckpt", "--exit-interval", "6"], ["--exit-interval 6", "multiple of --fl-sync-interval"]),
+    (ELASTIC + ["--save", "/tmp/ckpt", "--async-save"], ["--async-save: an elastic checkpoint"]),
+    (ELASTIC + ["--save", "/tmp/ckpt", "--ckpt-mode", "compact"], ["--ckpt-mode compact"]),
     (["--fl-lighthouse", "localhost:29510"], ["lighthouse='localhost:29510' is for elastic mode"]),
     (["--fl-sync-digest"], ["sync_digest is for elastic mode"]),
 ])

@@ -11,6 +11,7 @@ groups meeting only at syncs (tools/elastic_launch.py).
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +37,9 @@ def _env(fault: str = "") -> dict:
 
 def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
              timeout: float = 420, extra: tuple = (), groups: int = 3, start_delays: tuple = (),
-             failing: tuple = ()) -> None:
-    """Run the launcher; every group but those in `failing` must exit 0 (and those must not)."""
+             failing: tuple = ()) -> dict:
+    """Run the launcher; every group but those in `failing` must exit 0 (and those must not).
+    Returns the groups' exit codes."""
     argv = [sys.executable, str(LAUNCHER), "--groups", str(groups), "--ranks-per-group", "2",
             "--min-groups", str(min_groups), "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000",
             "--heartbeat-timeout-ms", "1000", "--timeout", str(timeout),
@@ -50,6 +52,7 @@ def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max
     expected = {str(g): g in failing for g in range(groups)}
     assert {name: code != 0 for name, code in codes.items()} == expected, \
         f"elastic run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}{logs}"
+    return codes
 
 
 def _records(path: Path) -> list[dict]:
@@ -182,3 +185,66 @@ def test_a_group_leaves_for_good_and_a_new_one_joins_a_running_federation(tmp_pa
     assert [summaries[g]["elastic"]["skipped_samples"] for g in (0, 2, 3)] == [expected] * 3
     log = (run / "launch" / "group_0.log").read_text()
     assert "group(s) 1 left the federation" in log and "group(s) 3 joined the federation" in log
+
+
+def _losses(run_dir: Path, g: int) -> dict:
+    return {r["step"]: r["loss"] for r in _records(_group_dir(run_dir, g) / "groups" / f"group_{g:05d}.jsonl")}
+
+
+def test_the_whole_federation_resumes_exactly_from_each_groups_own_checkpoints(tmp_path):
+    steps = 16
+    # uninterrupted, saving every sync into each group's own directory (SAVE/group_GGGGG)
+    _elastic(tmp_path / "whole", steps, min_groups=3, extra=("--save", str(tmp_path / "ckpt_whole"),
+                                                              "--save-interval", "4"))
+    for g in range(3):
+        assert sorted(p.name for p in (tmp_path / "ckpt_whole" / f"group_{g:05d}").glob("iter_*")) == \
+            [f"iter_{s:07d}" for s in (4, 8, 12, 16)]
+    # the same run stopped after step 8 (save and exit), then every group restarted with --load
+    saves = ("--save", str(tmp_path / "ckpt"), "--save-interval", "4")
+    _elastic(tmp_path / "first", steps, min_groups=3, extra=(*saves, "--exit-interval", "8"))
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt_older")
+    _elastic(tmp_path / "second", steps, min_groups=3, extra=(*saves, "--load", str(tmp_path / "ckpt")))
+    summaries = [json.loads((_group_dir(tmp_path / "second", g) / "summary.json").read_text()) for g in range(3)]
+    assert [s["first_step"] for s in summaries] == [9, 9, 9]
+    for g in range(3):  # steps 9..16 as in the uninterrupted run
+        whole, second = _losses(tmp_path / "whole", g), _losses(tmp_path / "second", g)
+        assert sorted(second) == list(range(9, steps + 1))
+        for step in second:
+            assert abs(second[step] - whole[step]) <= 1e-6, (g, step, second[step], whole[step])
+    for step in (12, 16):  # and the same bytes after each sync, in every group
+        digests = {tuple(_syncs(run, g)[step]["shard_digests"]) for run in (tmp_path / "whole", tmp_path / "second")
+                   for g in range(3)}
+        assert len(digests) == 1, (step, digests)
+    # group 2 lost its newest checkpoint: it resumes from step 4, finds the others at step 8 when
+    # they meet at the start and takes their state there (shards, and group 0's inner optimizer
+    # state: its own of step 8 is gone, so from here on it is consistent, not exact)
+    own = tmp_path / "ckpt_older" / "group_00002"
+    shutil.rmtree(own / "iter_0000008")
+    (own / "latest_checkpointed_iteration.txt").write_text("4\n")
+    _elastic(tmp_path / "third", 12, min_groups=3, extra=("--load", str(tmp_path / "ckpt_older")))
+    log = (tmp_path / "third" / "launch" / "group_2.log").read_text()
+    assert "resumed from" in log and "(step 4)" in log and "took their state of step 8" in log
+    third = [_syncs(tmp_path / "third", g) for g in range(3)]
+    assert [json.loads((_group_dir(tmp_path / "third", g) / "summary.json").read_text())["first_step"]
+            for g in range(3)] == [9, 9, 9]
+    assert third[0][12]["shard_digests"] == third[1][12]["shard_digests"] == third[2][12]["shard_digests"]
+
+
+def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_ones(tmp_path):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    # every sync needs all 3 groups; group 1 (federation rank 2) is killed in step 6 for good
+    codes = _elastic(run, 12, min_groups=3, fault="kill:forward-backward:6:2", failing=(0, 1, 2),
+                     extra=("--fl-quorum-timeout-minutes", "0.25", "--save", str(ckpt), "--save-interval", "4"))
+    for g in (0, 2):
+        log = (run / "launch" / f"group_{g}.log").read_text()
+        # every rank exited with TOO_FEW_GROUPS_EXIT_CODE (torchrun itself exits 1 after any failure)
+        assert len(re.findall(r"exitcode\s*:\s*5 ", log)) == 2 and codes[str(g)] != 0
+        assert "too few groups at the sync of step 8" in log and "missing group(s) 1 " in log, log[-3000:]
+        waited = int(re.search(r"within the quorum timeout \((\d+) s", log).group(1))
+        assert 15 <= waited < 60
+        summary = json.loads((_group_dir(run, g) / "summary.json").read_text())
+        assert summary["last_step"] == 8 and "too few groups" in summary["stopped_early"]
+        assert summary["final_train_loss"] == _losses(run, g)[8]  # the step before the failed sync counts
+        own = ckpt / f"group_{g:05d}"  # the state it stopped with, saved in its own directory
+        assert (own / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+        assert sorted(p.name for p in own.glob("iter_*")) == ["iter_0000004", "iter_0000008"]

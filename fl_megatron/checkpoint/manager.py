@@ -88,12 +88,15 @@ class Checkpointer:
     def __init__(self, run: ResolvedRun, rank: int, backend: TrainingBackend, engine: FederationEngine) -> None:
         self.run, self.rank, self.backend, self.engine = run, rank, backend, engine
         self.options = run.cfg.checkpoint
-        self.is_writer = rank == 0
+        self.is_writer = dist.get_rank() == 0  # the job's first rank (in elastic mode each group is a job)
+        # elastic mode: each group saves only its own state, in a directory of its own (--save DIR/group_GGGGG)
+        self.own_group_only = run.cfg.federation.elastic
         self.group = engine.groups.coords[0]
         self.replica = engine.groups.coords[1]
         self._pruner: Optional[threading.Thread] = None  # rank 0 deleting old checkpoints
         self.pending: Optional[PendingSave] = None  # a checkpoint being written (--async-save)
         self._prune_error: Optional[BaseException] = None
+        self.loaded = 0  # the step of the checkpoint resumed from (0: none)
 
     # --- saving ---------------------------------------------------------------------------
     def save(self, iteration: int) -> Path:
@@ -136,7 +139,8 @@ class Checkpointer:
             clear_staging(root)
             staging.mkdir()
         dist.barrier()
-        saved_groups = [0] if compact else list(range(self.run.layout.num_groups))
+        saved_groups = [0] if compact else [self.group] if self.own_group_only else \
+            list(range(self.run.layout.num_groups))
         source = 0 if compact else self.group
         write = self.group in saved_groups and self._writes_group()
         future = None
@@ -248,7 +252,7 @@ class Checkpointer:
         if "schedule" in meta["federation"] and (saved_fed.get("topology"), saved_fed.get("ada_graphs")) == (
                 fed.topology, fed.ada_graphs):
             self.engine.schedule.load_state(meta["federation"]["schedule"])
-        iteration = meta["iteration"]
+        iteration = self.loaded = meta["iteration"]
         say(f"  resumed from {path} (step {iteration}"
             + ("" if self.options.load_optim else ", optimizer state not loaded") + ")"
             + "".join(f"\n  note: {n}" for n in notes))

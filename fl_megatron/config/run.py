@@ -129,8 +129,16 @@ class RunConfig:
             problems.append("a DeepSpeed 'scheduler' block: its state does not travel to a healing group, which "
                             "would then train at another learning rate; drop the block (fl-megatron's own "
                             "schedule, from the flags, depends only on the step)")
-        if self.checkpoint.save or self.checkpoint.load:
-            problems.append("--save/--load: elastic checkpoints (one directory per group) are not built yet; a "
-                            "restarted group heals from the live groups instead of reading a checkpoint")
+        c, h = self.checkpoint, self.federation.sync_interval
+        for name in ("save_interval", "exit_interval"):
+            every = getattr(c, name)
+            if c.save and every and every % h:
+                problems.append(f"--{name.replace('_', '-')} {every}: elastic checkpoints are taken right after a "
+                                f"sync, so it must be a multiple of --fl-sync-interval {h}")
+        if c.save and c.async_save:
+            problems.append("--async-save: an elastic checkpoint is written in the group's own directory right after "
+                            "a sync, synchronously (not built for background writes yet)")
+        if c.save and c.ckpt_mode == "compact":
+            problems.append("--ckpt-mode compact: each elastic group saves its own state in its own directory")
         if problems:
             raise ValueError("elastic mode (--fl-elastic) cannot run this configuration: " + "; ".join(problems))

@@ -56,7 +56,8 @@ def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, ti
 
 
 def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: str, timeout: timedelta,
-              state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> ElasticPeerTier:
+              state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
+              training_step: Callable[[], int]) -> ElasticPeerTier:
     """This rank's torchft manager (collective over the job). Its group's manager server starts
     on rank 0 first: torchft publishes the server's address in the job's store, where a restarted
     job would otherwise find its previous attempt's address."""
@@ -66,7 +67,8 @@ def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: 
         return ElasticPeerTier(fed.group_id, job_rank, job_size, address, os.environ["MASTER_ADDR"],
                                int(os.environ["MASTER_PORT"]), fed.min_groups, state_dict, load_state_dict,
                                device_type, timeout=timeout,
-                               quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes))
+                               quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes),
+                               training_step=training_step, num_groups=fed.num_groups)
 
     made = tier() if job_rank == 0 else None
     dist.barrier()

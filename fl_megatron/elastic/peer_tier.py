@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..federation.membership import Membership
+from ..federation.membership import Membership, TooFewGroups
+from .lighthouse_status import missing_groups_text
 from .quorum_group import registered_quorum_group, unregister_quorum_group
 
 
@@ -28,11 +29,14 @@ class ElasticPeerTier:
     def __init__(self, group_id: int, group_rank: int, group_size: int, lighthouse: str, store_addr: str,
                  store_port: int, min_groups: int, state_dict: Callable[[], dict],
                  load_state_dict: Callable[[dict], None], device_type: str = "cpu",
-                 timeout: timedelta = timedelta(seconds=60), quorum_timeout: timedelta = timedelta(minutes=60)) -> None:
+                 timeout: timedelta = timedelta(seconds=60), quorum_timeout: timedelta = timedelta(minutes=60),
+                 training_step: Callable[[], int] = lambda: 0, num_groups: int = 0) -> None:
         if group_id < 0 or min_groups < 1:
             raise ValueError(f"group id {group_id} and minimum groups {min_groups}: need >= 0 and >= 1")
         Manager, ProcessGroupGloo, ProcessGroupNCCL = _torchft()
         self.group_id, self.group_size = group_id, group_size
+        self.lighthouse, self.min_groups, self.num_groups = lighthouse, min_groups, num_groups
+        self.quorum_timeout = quorum_timeout
         self.backend = "nccl" if device_type == "cuda" else "gloo"
         self._pg = ProcessGroupNCCL(timeout=timeout) if self.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
         # use_async_quorum=False: the quorum (and any healing) completes inside `meet`, before
@@ -43,6 +47,7 @@ class ElasticPeerTier:
                                rank=group_rank, world_size=group_size, store_addr=store_addr,
                                store_port=store_port, lighthouse_addr=lighthouse, replica_id=f"group_{group_id}")
         self._registered = None
+        self._training_step = training_step
 
     @property
     def has_quorum(self) -> bool:
@@ -56,10 +61,21 @@ class ElasticPeerTier:
         return self._registered
 
     def meet(self) -> Membership:
-        """Form this sync's quorum with the live groups (blocking: up to the quorum timeout)."""
+        """Form this sync's quorum with the live groups (blocking: up to the quorum timeout;
+        TooFewGroups, naming the missing groups, if fewer than the minimum came)."""
         start = time.perf_counter()
-        before = self.manager.current_step()
-        self.manager.start_quorum()
+        # torchft's step is the training step here: the groups furthest on are the quorum's
+        # source, any group behind them (restarted, slow, or resumed from an older checkpoint) heals
+        before = self._training_step()
+        self.manager.load_state_dict({"step": before, "batches_committed": self.manager.batches_committed()})
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as e:  # the lighthouse never had --fl-min-groups groups asking
+            waited = time.perf_counter() - start
+            missing, text = missing_groups_text(self.lighthouse, self.num_groups)
+            raise TooFewGroups(f"fewer than --fl-min-groups {self.min_groups} groups met within the quorum timeout "
+                               f"({waited:.0f} s, --fl-quorum-timeout-minutes {self.quorum_timeout.total_seconds() / 60:g}): "
+                               f"{text}", missing, waited) from e
         # torchft rebuilt it (on its quorum thread) if the membership changed; from here on only
         # the thread that called meet() issues collectives on it
         raw = self._pg._pg

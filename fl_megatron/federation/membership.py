@@ -22,3 +22,12 @@ class Membership:
 def whole_federation(num_groups: int, group: int) -> Membership:
     """The membership of every sync in one world: all groups, this one at its own slot."""
     return Membership(0, tuple(range(num_groups)), group)
+
+
+class TooFewGroups(RuntimeError):
+    """Elastic mode: fewer live groups than --fl-min-groups met within the quorum timeout.
+    `missing`: the slots the lighthouse did not hear from (None where it could not be asked)."""
+
+    def __init__(self, text: str, missing: "tuple | None" = None, waited_s: float = 0.0) -> None:
+        super().__init__(text)
+        self.missing, self.waited_s = missing, waited_s

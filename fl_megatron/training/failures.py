@@ -24,6 +24,7 @@ from ..federation.failed_collective import is_failed_collective
 from ..processes import process_alive
 
 PEER_LOST_EXIT_CODE = 4
+TOO_FEW_GROUPS_EXIT_CODE = 5  # elastic mode: fewer live groups than --fl-min-groups within the quorum timeout
 NOTES_DIR = "peer-lost"  # in the run directory: one note per rank that noticed a failure and left
 # a killed process closes its sockets before it turns into a zombie: how long a rank that saw the
 # connection drop looks for the dead process on its node before saying it cannot tell

@@ -21,6 +21,8 @@ class HealingState:
     last_sync: int = 0        # the step of the last committed sync
     skipped_samples: int = 0  # samples of absent or healing groups since the start (never trained on)
     healed_at: Optional[int] = None  # this process joined by healing at this sync step
+    at_start: bool = False         # meeting the others at start-up (not at a sync)
+    source_at_start: bool = False  # the state this process healed from was sent by a group at start-up
     backend: object = None
     engine: object = None
 
@@ -28,6 +30,7 @@ class HealingState:
         """This rank's state for rank k of a healing group. torchft calls it on its quorum thread
         while the main thread waits in the quorum: it reads tensors and issues no collective."""
         return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
+                "at_start": self.at_start,
                 "shards": self.backend.local_shards(), "optimizer": self.backend.optimizer_transfer_state(),
                 "engine": self.engine.state_tensors()}
 
@@ -46,6 +49,7 @@ class HealingState:
         self.backend.refresh_after_sync()
         self.step, self.last_sync = state["step"], state["last_sync"]
         self.skipped_samples, self.healed_at = state["skipped_samples"], state["step"]
+        self.source_at_start = state["at_start"]
 
 
 @dataclass

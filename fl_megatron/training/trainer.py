@@ -16,7 +16,9 @@ from ..config.flags import config_to_json
 from ..data import eval_batches
 from ..faults import delay_seconds, lockstep, nan_requested
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
+from ..federation.failed_collective import is_failed_collective
 from ..federation.health import GroupFigures
+from ..federation.membership import TooFewGroups
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
 from .failures import PhaseTracker
@@ -45,6 +47,7 @@ class StepOutcome(NamedTuple):
     lr: float
     sync: Optional[SyncResult]      # the sync that ran or landed after it
     figures: Optional[GroupFigures]  # the group's figures (reduced inside the group), when logged or voted
+    too_few: Optional[TooFewGroups] = None  # elastic mode: the sync's quorum timed out with too few groups
 
 
 class Trainer:
@@ -79,6 +82,7 @@ class Trainer:
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
         self.start_step = self.checkpointer.resume(lambda text: say(text, self.is_writer))
         self.healing.backend, self.healing.engine = self.backend, self.engine
+        self.healing.step = self.healing.last_sync = self.start_step
         self.members = MembershipLog(self.group, self.layout.num_groups,
                                      t.micro_batch_size * self.accum * self.layout.group_size)
         self._membership_fields: dict = {}  # elastic mode: who met at the last sync (its records carry them)
@@ -103,7 +107,7 @@ class Trainer:
         from ..elastic import build_elastic_process_groups, join_tier
 
         tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, self.device.type, timeout,
-                         self.healing.source, self.healing.receive)
+                         self.healing.source, self.healing.receive, lambda: self.healing.step)
         return build_elastic_process_groups(self.layout, self.env.rank, self.device.type, tier, timeout,
                                             async_checkpoint=cfg.checkpoint.async_save)
 
@@ -114,21 +118,44 @@ class Trainer:
         part in that sync as a receiver. Returns that sync, or None."""
         say(f"  group {self.group}: meeting the live groups (lighthouse {self.cfg.federation.lighthouse})",
             self.is_writer)
+        self.healing.at_start = True
         membership = self.groups.meet()
-        if not membership.healed:
-            self.groups.commit()
+        self.healing.at_start = False
+        read = f"checkpoint of step {self.checkpointer.loaded}" if self.checkpointer.loaded else "no checkpoint"
+        if not membership.healed or self.healing.source_at_start:
+            # every group at the start (a fresh or resumed federation): a group behind the others
+            # took their state in the quorum; nobody syncs now
+            self._start_barrier()
+            if not self.groups.commit():
+                raise RuntimeError(f"group {self.group}: the start-up quorum was voted down (a peer lost); restarting")
             self.members.live = membership.groups
-            say(f"  group {self.group}: joined groups {', '.join(map(str, membership.groups))} at the start",
-                self.is_writer)
+            if membership.healed:
+                self.start_step = self.healing.step
+                say(f"  group {self.group}: behind the others' checkpoints ({read}): took their state of step "
+                    f"{self.start_step} in {membership.seconds:.2f} s", self.is_writer)
+            say(f"  group {self.group}: joined groups {', '.join(map(str, membership.groups))} at step "
+                f"{self.start_step}", self.is_writer)
             return None
         self.start_step = self.healing.step
         say(f"  group {self.group}: healed from the live groups at step {self.start_step} in "
-            f"{membership.seconds:.2f} s (no checkpoint read)", self.is_writer)
+            f"{membership.seconds:.2f} s ({read} read)", self.is_writer)
         sync = self.engine.sync(self.start_step, GroupFigures(healing=True), full=True, membership=membership)
         if not sync.committed:
             raise RuntimeError(f"group {self.group}: the sync it healed at (step {self.start_step}) was voted down; "
                                "restarting")
         return sync
+
+    def _start_barrier(self) -> None:
+        """One all-reduce over this rank's peers of the start-up quorum. A group behind fetches a
+        source's state inside the quorum, and torchft stops serving it at the source's commit: the
+        source waits here until every rank of the groups behind has it. A lost peer votes the
+        quorum down."""
+        try:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.groups.peer)
+        except RuntimeError as e:
+            if not is_failed_collective(e):
+                raise
+            self.groups.report_error(e)
 
     def _banner(self) -> None:
         if not self.is_writer:
@@ -192,7 +219,10 @@ class Trainer:
         if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
             figures = self._group_figures(done, loss, norm)
         self.phases.enter("sync", done)
-        sync = self.engine.after_step(done, last=last, loss=loss, figures=figures)
+        try:
+            sync = self.engine.after_step(done, last=last, loss=loss, figures=figures)
+        except TooFewGroups as e:  # every rank of the group waited out the same quorum: the step stands
+            return StepOutcome(loss, norm, lr, None, figures, e)
         if lockstep():  # the coupled loop, for the benchmark's "before" row
             dist.all_reduce(torch.zeros(2, device=self.device))
         if sync is not None and self.elastic:
@@ -296,6 +326,8 @@ class Trainer:
         self._stop = StopPolicy(self.cfg.checkpoint)
         try:
             return self._train(self._stop)
+        except TooFewGroups:  # the groups' quorum timed out; this group's own collectives are fine
+            raise
         except RuntimeError as e:
             lost = self.phases.explain(e)
             if lost is None:
@@ -316,7 +348,7 @@ class Trainer:
             if self.is_writer:
                 self.records.log({"step": self.start_step, "elapsed_s": 0.0, "sync_seconds": self._joining_sync.seconds,
                                   **self._membership_fields})
-        step = self.start_step
+        step, too_few = self.start_step, None
         while step < t.train_iters:
             done = step + 1
             outcome = self.step(step)
@@ -329,7 +361,11 @@ class Trainer:
             loss = outcome.loss
             for interval in intervals:
                 interval.steps += 1
-            stopped = stop.reason(done, self._agreed_stop(done, outcome.figures)) if done < t.train_iters else None
+            if outcome.too_few is not None:  # log, save (--save) this step's state, before the sync, and stop
+                too_few = outcome.too_few
+                stopped = f"too few groups at the sync of step {done}: {too_few}"
+            else:
+                stopped = stop.reason(done, self._agreed_stop(done, outcome.figures)) if done < t.train_iters else None
             if outcome.figures is not None or outcome.sync is not None:
                 eta = (time.perf_counter() - start) / (done - self.start_step) * (t.train_iters - done)
                 self._log_step(done, outcome, intervals, eta)
@@ -357,6 +393,8 @@ class Trainer:
         # Leave together: a rank tearing down gloo while a peer is still in its last
         # collectives can abort the peer at exit.
         dist.barrier()
+        if too_few is not None:
+            raise too_few
         return summary
 
     def _publish_due(self, done: int) -> bool:
