@@ -11,7 +11,8 @@ class CheckpointConfig:
     """Where checkpoints go and come from, how many are kept, and when a run stops early."""
 
     save: Optional[str] = field(default=None, metadata={"help": "directory to save checkpoints in (iter_NNNNNNN/ "
-                                                               "subdirectories and latest_checkpointed_iteration.txt)"})
+                                                               "subdirectories and latest_checkpointed_iteration.txt; "
+                                                               "elastic: in DIR/group_GGGGG, one per group)"})
     save_interval: Optional[int] = field(
         default=None, metadata={"help": "save every this many steps (and at the end); default: only at the end "
                                         "and when exiting early"})

@@ -145,7 +145,8 @@ class FederationConfig:
                                         "(default: the FL_GROUP_ID environment variable)"})
     min_groups: int = field(
         default=1, metadata={"help": "elastic: live groups a sync needs; with fewer, the live ones wait up to "
-                                     "--fl-quorum-timeout-minutes, then stop (the lighthouse's --min_replicas)"})
+                                     "--fl-quorum-timeout-minutes, then save (--save) and stop with exit code 5 "
+                                     "naming the missing groups (the lighthouse's --min_replicas)"})
     sync_digest: bool = field(
         default=False, metadata={"help": "elastic: record a SHA-256 of each rank's shards after every sync in the "
                                          "group's metrics.jsonl (after an fp32 average the groups agree bit for bit; "
