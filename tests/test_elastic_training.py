@@ -97,10 +97,15 @@ def test_elastic_without_faults_equals_one_world(tmp_path):
 PAUSE = "delay:0:9:25,delay:2:9:25"
 
 
-@pytest.mark.parametrize("extra", [(), ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
-                                         "--fl-error-feedback"), ("--backend", "deepspeed"),
-                                   ("--fl-hsdp-shard-size", "1")],
-                         ids=["fedavg", "int8-ef-nesterov", "deepspeed", "fl-hsdp"])
+HEAVY = pytest.mark.heavy  # `make test-heavy` (make test leaves them out to stay within its time)
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param((), id="fedavg"),
+    pytest.param(("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback"),
+                 id="int8-ef-nesterov", marks=HEAVY),
+    pytest.param(("--backend", "deepspeed"), id="deepspeed"),
+    pytest.param(("--fl-hsdp-shard-size", "1"), id="fl-hsdp", marks=HEAVY)])
 def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # global rank 3 = rank 1 of group 1, killed in the forward-backward of step 6 (between syncs 4 and 8)
@@ -134,7 +139,8 @@ def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
 
 # FL+HSDP with replica split: of each surviving group only replica 1 (rank 1) loses its peer, while
 # replica 0's exchange succeeds; both still make the same replica gathers, then agree the sync failed
-@pytest.mark.parametrize("extra", [(), ("--fl-hsdp-shard-size", "1")], ids=["fl-fsdp", "fl-hsdp"])
+@pytest.mark.parametrize("extra", [pytest.param((), id="fl-fsdp"),
+                                   pytest.param(("--fl-hsdp-shard-size", "1"), id="fl-hsdp", marks=HEAVY)])
 def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # rank 1 of group 1 dies inside the sync after step 8, after the vote: the others' exchange fails midway
