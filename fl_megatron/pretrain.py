@@ -178,8 +178,6 @@ def _train(run, env, samples) -> int:
 
 def _check_sources(run) -> None:
     """The checkpoint --load would resume from, or the --init-from-hf directory, fits the run."""
-    from pathlib import Path
-
     from .checkpoint import find_checkpoint, resume_source, source_groups
 
     options = run.cfg.checkpoint
@@ -196,8 +194,6 @@ def _check_sources(run) -> None:
 def _check_checkpoint_files(run, rank: Optional[int]) -> None:
     """The pickles `rank` (None: every rank) would read from the checkpoint --load resumes from
     open under the allowlisting unpickler (see backends.pickle_guard)."""
-    from pathlib import Path
-
     from .backends.pickle_guard import check_group_pickles
     from .checkpoint import find_checkpoint, resume_source, source_groups
     from .checkpoint.paths import group_dir

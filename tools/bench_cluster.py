@@ -11,6 +11,22 @@ and PNG plots to --out.
   python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rate-mbit 100         # 2x2 + peers
   python tools/bench_cluster.py --nodes 4 --ranks-per-node 2 --rate-mbit 100 \\
       --rows fsdp hsdp fl-fsdp fl-hsdp-naive fl-hsdp-split                          # HSDP layouts
+
+--failure-compare replaces the rows by a failure comparison: one federation group per node, one
+rank SIGKILLed in the forward-backward of --kill-step (default: the middle of the second sync
+interval; --kill-rank, a federation rank, default rank 1 of group 1) in (a) one-world FL+FSDP saving
+a checkpoint every sync, relaunched with --load after the job failed, (b) elastic FL+FSDP
+(--fl-elastic, torchrun --max-restarts 1 per group, the killed group heals from the live ones) and
+(c) torchft LocalSGD (torchrun --max-restarts 1, the restarted group heals at the next sync), each
+beside its fault-free run: wall time to the last step and goodput (tokens of the steps that survived
+per second of the whole run: (a) counts every step once, redone steps included once; (b) and (c)
+leave out the killed group's steps from its last sync to its heal), with the ratio to the
+fault-free run, and a check that (b) lost at most the killed group's steps since its last sync plus
+one heal (exit code 3 when that is not met). tools/cluster_bench/failures.py explains the counting.
+Writes bench.json and bench.md to --out (default runs/bench-cluster-failures):
+
+  python tools/bench_cluster.py --failure-compare --nodes 3 --ranks-per-node 2 --steps 24 \\
+      --sync-interval 4 --kill-step 6
 """
 
 import argparse
@@ -23,7 +39,9 @@ TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path[:0] = [str(TOOLS), str(REPO)]
 
+from cluster_bench import failures  # noqa: E402
 from cluster_bench.bench_report import write_outputs  # noqa: E402
+from cluster_bench.failures import default_kill, plan_problems  # noqa: E402
 from cluster_bench.netns_cluster import EmulatedCluster, run_job  # noqa: E402
 from cluster_bench.prediction import predict_row  # noqa: E402
 from cluster_bench.rows import Row, all_rows, select_rows  # noqa: E402
@@ -46,7 +64,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="run the rows this many times, interleaved; the "
                                                           "table shows the median repeat and the range")
     p.add_argument("--rows", nargs="+", help="row keys (default: every row the cluster shape allows)")
-    p.add_argument("--out", default="runs/bench-cluster")
+    p.add_argument("--out", help="output folder (default runs/bench-cluster, with --failure-compare "
+                                 "runs/bench-cluster-failures)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per row")
     p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     p.add_argument("--config", default=str(REPO / "examples" / "demo.json"), help="model and training config")
@@ -54,6 +73,16 @@ def parse(argv=None) -> argparse.Namespace:
                    help="every group of an fl-megatron row stalls before every step for a random time of this "
                         "mean (exponential, seeded: FL_MEGATRON_FAULT=jitter), as slow nodes and pauses do")
     p.add_argument("--jitter-seed", type=int, default=1)
+    p.add_argument("--failure-compare", action="store_true",
+                   help="instead of the rows: kill a rank in one-world FL, elastic FL and torchft LocalSGD, each "
+                        "beside its fault-free run (wall time, goodput; see the docstring)")
+    p.add_argument("--kill-step", type=int, help="--failure-compare: the step whose forward-backward the kill lands "
+                                                 "in (default H + H/2)")
+    p.add_argument("--kill-rank", type=int, help="--failure-compare: federation rank killed (group * ranks per node "
+                                                 "+ rank; default rank 1 of group 1)")
+    p.add_argument("--relaunch-delay", type=float, default=0.0,
+                   help="--failure-compare: seconds between the one-world job's failure and its relaunch (a "
+                        "scheduler's requeue), counted in its wall time")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then pretrain flags for every row")
     args = p.parse_args(argv)
     args.warmup = args.sync_interval if args.warmup is None else args.warmup
@@ -63,8 +92,22 @@ def parse(argv=None) -> argparse.Namespace:
     if not 0 <= args.warmup < args.steps or args.warmup % args.sync_interval:
         problems.append(f"--warmup {args.warmup} must be a multiple of H={args.sync_interval} (rows log every H "
                         f"steps) below --steps {args.steps}")
+    if args.failure_compare:
+        default_step, default_rank = default_kill(args.ranks_per_node, args.sync_interval)
+        args.kill_step = default_step if args.kill_step is None else args.kill_step
+        args.kill_rank = default_rank if args.kill_rank is None else args.kill_rank
+        problems += plan_problems(args.nodes, args.ranks_per_node, args.steps, args.sync_interval, args.kill_step,
+                                  args.kill_rank)
+        problems += [f"{flag} is not used with --failure-compare" for flag, used in
+                     (("--rows", args.rows), ("--repeats", args.repeats > 1), ("--jitter-ms", args.jitter_ms),
+                      ("--warmup", args.warmup != args.sync_interval)) if used]
+        if args.relaunch_delay < 0:
+            problems.append("--relaunch-delay must be at least 0")
+    elif any(v is not None for v in (args.kill_step, args.kill_rank)) or args.relaunch_delay:
+        problems.append("--kill-step, --kill-rank and --relaunch-delay go with --failure-compare")
     if problems:
         p.error("; ".join(problems))
+    args.out = args.out or ("runs/bench-cluster-failures" if args.failure_compare else "runs/bench-cluster")
     return args
 
 
@@ -134,6 +177,8 @@ def _main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FL_MEGATRON_CACHE", str(out / "cache"))
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.failure_compare:
+        return _failure_compare(args, argv, out)
     try:
         rows = select_rows(all_rows(args.nodes, args.ranks_per_node, args.sync_interval), args.rows)
     except ValueError as e:
@@ -171,6 +216,46 @@ def _main(argv=None) -> int:
     print("\n" + table + f"\nwrote {json_path} and {md_path}")
     _plots(out, results)
     return 0
+
+
+def failure_comparison(args) -> "failures.Comparison":
+    """The failure comparison's setups from the arguments: FL+FSDP in groups of one node's ranks
+    (the fl-fsdp row's flags) for one-world and elastic, the torchft-localsgd row's for torchft."""
+    rows = {r.key: r for r in all_rows(args.nodes, args.ranks_per_node, args.sync_interval)}
+    node = ["--ranks-per-node", str(args.ranks_per_node)]
+    return failures.Comparison(
+        steps=args.steps, sync_interval=args.sync_interval, kill_step=args.kill_step, kill_rank=args.kill_rank,
+        ranks_per_node=args.ranks_per_node, timeout=args.timeout, relaunch_delay=args.relaunch_delay,
+        fl_flags=(*common_flags(args), *rows["fl-fsdp"].flags(), *node),
+        peer_flags=(*common_flags(args), *rows["torchft-localsgd"].flags(), *node))
+
+
+def _failure_compare(args, argv, out: Path) -> int:
+    rate = args.rate_mbit or None
+    comparison = failure_comparison(args)
+    with EmulatedCluster(args.nodes, rate, mode=args.mode, node_hostnames=True) as cluster:
+        if cluster.note:
+            print(f"NOTE: {cluster.note}", flush=True)
+        print(f"cluster: {args.nodes} nodes x {args.ranks_per_node} ranks, {cluster.mode}, "
+              f"{f'{rate:g} Mbit/s' if rate else 'unshaped'} between nodes; failure comparison: "
+              f"{comparison.fault} (FL_MEGATRON_FAULT)", flush=True)
+        results, checks = failures.compare(cluster, comparison, out, say=lambda text: print(text, flush=True))
+        setup = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "rate_mbit": rate,
+                 "sync_interval": args.sync_interval, "steps": args.steps, "kill_step": args.kill_step,
+                 "kill_rank": args.kill_rank, "kill_group": args.kill_rank // args.ranks_per_node,
+                 "last_sync_before_kill": failures.last_sync_before(args.kill_step, args.sync_interval),
+                 "relaunch_delay": args.relaunch_delay, "cluster_mode": cluster.mode, "note": cluster.note,
+                 "fl_flags": list(comparison.fl_flags), "peer_flags": list(comparison.peer_flags),
+                 "lighthouse": {"join_timeout_ms": failures.JOIN_TIMEOUT_MS,
+                                "heartbeat_timeout_ms": failures.HEARTBEAT_TIMEOUT_MS},
+                 "command": shlex.join([Path(sys.argv[0]).name if argv is None else "bench_cluster.py",
+                                        *(sys.argv[1:] if argv is None else argv)])}
+    json_path, md_path, table = failures.write_outputs(out, setup, results, checks)
+    print("\n" + table)
+    for check in checks:
+        print(f"{'OK' if check['ok'] else 'NOT MET'}: {check['setup']}: {check['text']}")
+    print(f"wrote {json_path} and {md_path}")
+    return 0 if all(c["ok"] for c in checks if c["setup"] == "elastic") else 3
 
 
 def _measure_row(cluster, args, row: Row, run_dir: Path, rate, compute_s: float) -> dict:

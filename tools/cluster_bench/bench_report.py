@@ -49,6 +49,15 @@ def markdown(rows: list[dict], baseline_label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def header_lines(title: str, setup: dict) -> list[str]:
+    """A bench.md's first lines: the title with the cluster's shape and rate, the command, the
+    cluster's mode (and why it is unshaped, if it is)."""
+    return [f"# {title}: {setup['nodes']} nodes x {setup['ranks_per_node']} ranks, "
+            f"{setup['rate_mbit'] or 'unshaped'} Mbit/s between nodes", "",
+            f"command: `{setup['command']}`", "", f"cluster: {setup['cluster_mode']}"
+            + (f" ({setup['note']})" if setup.get("note") else "")]
+
+
 def write_outputs(out: Path, setup: dict, results: list[dict]) -> tuple[Path, Path, str]:
     """bench.json (everything) and bench.md (setup and table) in `out`; returns the paths and the table."""
     base = next((r["row"]["label"] for r in results if r["row"]["key"] == "fsdp"), "baseline")
@@ -56,10 +65,7 @@ def write_outputs(out: Path, setup: dict, results: list[dict]) -> tuple[Path, Pa
     table = markdown(rows, base.split(" over")[0])
     json_path, md_path = out / "bench.json", out / "bench.md"
     json_path.write_text(json.dumps({"setup": setup, "table": rows, "results": results}, indent=2) + "\n")
-    lines = [f"# Two-tier benchmark: {setup['nodes']} nodes x {setup['ranks_per_node']} ranks, "
-             f"{setup['rate_mbit'] or 'unshaped'} Mbit/s between nodes", "",
-             f"command: `{setup['command']}`", "", f"cluster: {setup['cluster_mode']}"
-             + (f" ({setup['note']})" if setup.get("note") else ""),
+    lines = [*header_lines("Two-tier benchmark", setup),
              f"timed span: steps {setup['warmup'] + 1}-{setup['steps']} of every row "
              f"(H = {setup['sync_interval']}, {setup.get('repeats', 1)} repeat(s), median shown); compute per step (calibrated): "
              + ", ".join(f"{k} {v:.3f} s" for k, v in setup["compute_seconds"].items()), "", table]

@@ -9,6 +9,11 @@ Node k is namespace `<prefix>-n<k>` with `lo` (ranks of one node) and `eth0` (a 
 bridge namespace `<prefix>-br`, address 198.18.0.<k+1>/15, no default route). With a rate,
 tbf shapes both ends of each veth: a full-duplex link of that rate per node. Needs root and
 `ip netns`; otherwise (or with mode="loopback") everything runs unshaped on 127.0.0.1.
+With node_hostnames=True each node also gets its own host name (`<prefix>-n<k>`, a UTS
+namespace per started process) that every node resolves to the node's address (a hosts file
+per namespace): for software that advertises `socket.gethostname()` to its peers (torchft's
+checkpoint transport, torchrun's c10d rendezvous), which would otherwise name a loopback
+address that other nodes cannot reach.
 Everything created is removed on exit, on exceptions and on SIGINT/SIGTERM; after a SIGKILL
 the next cluster's start removes the leftovers (see stale_cleanup).
 """
@@ -27,7 +32,7 @@ from cluster_bench.cluster_jobs import JobResult, run_job, torchrun_command
 from cluster_bench.link_counters import LinkCounters, read_counters
 from cluster_bench.netns_ops import (NetnsError, add_namespace, build_bridge, configure_node,
                                      delete_namespace, namespace_pids, node_address, quiet_ipv6,
-                                     set_root_qdisc, tbf_params)
+                                     set_root_qdisc, tbf_params, write_hosts_file)
 from cluster_bench.proc_tree import stop_all
 from cluster_bench.stale_cleanup import cleanup_stale
 
@@ -41,11 +46,12 @@ class EmulatedCluster:
     """Context manager for an emulated cluster of `nodes` nodes linked at `rate_mbit` (None:
     unshaped). mode: "auto" (netns if possible, else loopback), "netns" (raise if not
     possible) or "loopback". After entering, `mode` is "netns" or "loopback" and `note` is
-    None or explains why the run is unshaped. burst_ms/queue_ms size the token buckets."""
+    None or explains why the run is unshaped. burst_ms/queue_ms size the token buckets;
+    node_hostnames: a host name per node (netns mode; see the module's docstring)."""
 
     def __init__(self, nodes: int, rate_mbit: float | None = None, *, mode: str = "auto",
                  mtu: int = 1500, burst_ms: float = 1.0, queue_ms: float = 50.0,
-                 handle_signals: bool = True):
+                 handle_signals: bool = True, node_hostnames: bool = False):
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         if mode not in MODES:
@@ -61,6 +67,7 @@ class EmulatedCluster:
         self.setup_seconds: float | None = None
         self.teardown_seconds: float | None = None
         self._handle_signals = handle_signals
+        self.node_hostnames = node_hostnames
         self._namespaces: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._old_handlers: dict[int, object] = {}
@@ -81,6 +88,22 @@ class EmulatedCluster:
         """Address other nodes reach node k at."""
         self._check_node(k)
         return node_address(k) if self.mode == "netns" else "127.0.0.1"
+
+    def node_host(self, k: int) -> str:
+        """Host name (netns mode with node_hostnames) or address other nodes reach node k at."""
+        self._check_node(k)
+        return self.node_ns(k) if self.mode == "netns" and self.node_hostnames else self.node_ip(k)
+
+    def node_prefix(self, k: int) -> list[str]:
+        """Command prefix that runs a command on node k: empty on loopback; `ip netns exec` into
+        its namespace, and with node_hostnames in a UTS namespace of its own named node_host(k)."""
+        self._check_node(k)
+        if self.mode != "netns":
+            return []
+        prefix = ["ip", "netns", "exec", self.node_ns(k)]
+        if self.node_hostnames:
+            prefix += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.node_host(k)]
+        return prefix
 
     def pick_port(self) -> int:
         """A free TCP port for a rendezvous on node 0 (a new one per call)."""
@@ -157,6 +180,10 @@ class EmulatedCluster:
             set_root_qdisc(ns, "eth0", self.tbf)
             set_root_qdisc(self.bridge_ns, f"v{k}", self.tbf)
             self._check_not_closed()
+        if self.node_hostnames:
+            names = {ns: node_address(k) for k, ns in enumerate(nodes)}
+            for ns in nodes:
+                write_hosts_file(ns, names)
         self.setup_seconds = time.perf_counter() - start
 
     def close(self) -> None:
@@ -215,16 +242,16 @@ class EmulatedCluster:
     # ----- processes and counters
     def popen(self, k: int, argv: list[str], env: dict | None = None,
               **kw) -> subprocess.Popen:
-        """Start argv on node k (inside its namespace, with GLOO_SOCKET_IFNAME=eth0), in a new
-        session so that close() can stop it with all its children. kw go to subprocess.Popen;
-        env defaults to this process's environment."""
+        """Start argv on node k (behind node_prefix(k), with GLOO_SOCKET_IFNAME=eth0 in netns
+        mode), in a new session so that close() can stop it with all its children. kw go to
+        subprocess.Popen; env defaults to this process's environment."""
         self._check_node(k)
         if kw.keys() & {"start_new_session", "process_group", "preexec_fn"}:
             raise ValueError("popen() starts each process in its own session itself")
         env = dict(os.environ if env is None else env)
         if self.mode == "netns":
             env["GLOO_SOCKET_IFNAME"] = "eth0"
-            argv = ["ip", "netns", "exec", self.node_ns(k), *argv]
+            argv = [*self.node_prefix(k), *argv]
         proc = subprocess.Popen(argv, env=env, start_new_session=True, **kw)
         self._procs.append(proc)
         return proc
@@ -244,7 +271,8 @@ class EmulatedCluster:
         """Settings of this cluster, for a benchmark's report."""
         return {"mode": self.mode, "nodes": self.nodes, "rate_mbit": self.rate_mbit,
                 "tbf": self.tbf if self.mode == "netns" else None, "mtu": self.mtu,
-                "note": self.note, "setup_seconds": self.setup_seconds}
+                "note": self.note, "setup_seconds": self.setup_seconds,
+                "node_hostnames": self.node_hostnames and self.mode == "netns"}
 
     def _check_active(self) -> None:
         if self.mode is None or self._closed:

@@ -7,7 +7,9 @@ lives inside our own namespaces, so nothing is added to the host's namespace.
 
 import ipaddress
 import math
+import shutil
 import subprocess
+from pathlib import Path
 
 MIN_QUEUE_BYTES = 512 * 1024
 SUBNET = ipaddress.ip_network("198.18.0.0/15")  # benchmarking range (RFC 2544), no route out
@@ -36,8 +38,22 @@ def add_namespace(name: str) -> None:
 
 
 def delete_namespace(name: str) -> None:
-    """Delete a named network namespace; its interfaces go with it."""
+    """Delete a named network namespace; its interfaces and its /etc/netns files go with it."""
     sh(["ip", "netns", "del", name])
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+
+
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NAME` bind-mounts NETNS_ETC/NAME/* over /etc/*
+
+
+def write_hosts_file(ns: str, entries: dict[str, str]) -> None:
+    """/etc/hosts as processes started by `ip netns exec ns` see it: localhost and `entries`
+    (name -> address). Removed with the namespace (delete_namespace)."""
+    folder = NETNS_ETC / ns
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback",
+             *(f"{address} {name}" for name, address in entries.items())]
+    (folder / "hosts").write_text("\n".join(lines) + "\n")
 
 
 def namespace_pids(name: str) -> list[int]:

@@ -30,6 +30,7 @@ class PeerRun:
     outer_momentum: float
     advertise_host: str
     lighthouse: str
+    min_replicas: int         # replica groups a sync needs (torchft's min_replica_size)
     replica_group: int
     num_groups: int
     group_size: int
@@ -56,6 +57,9 @@ def _peer_parser() -> argparse.ArgumentParser:
                         help="DiLoCo outer SGD momentum (Nesterov when > 0)")
     parser.add_argument("--advertise-host", default="127.0.0.1",
                         help="this node's address: the Manager's hostname= and the store address")
+    parser.add_argument("--min-replicas", type=int,
+                        help="replica groups a sync needs (default: all); fewer let the others go on "
+                             "while a group is lost, and a restarted group heals from them")
     return parser
 
 
@@ -107,6 +111,8 @@ def parse_peer_args(argv: Optional[Sequence[str]], env: LaunchEnv, replica_group
     if ns.outer_lr <= 0 or not 0 <= ns.outer_momentum < 1:
         raise ValueError(f"--outer-lr {ns.outer_lr} must be > 0 and --outer-momentum {ns.outer_momentum} "
                          "must lie in [0, 1)")
+    if ns.min_replicas is not None and not 1 <= ns.min_replicas <= num_groups:
+        raise ValueError(f"--min-replicas {ns.min_replicas} must lie in [1, {num_groups}]")
     cfg, _ = parse_args(rest)
     group_size = env.world_size
     problems = _unsupported(cfg, group_size, num_groups)
@@ -124,5 +130,6 @@ def parse_peer_args(argv: Optional[Sequence[str]], env: LaunchEnv, replica_group
     local_run = resolve(local_cfg, group_size, group_size)
     return PeerRun(run=run, local_run=local_run, algorithm=ns.algorithm, outer_lr=ns.outer_lr,
                    outer_momentum=ns.outer_momentum, advertise_host=ns.advertise_host, lighthouse=lighthouse,
+                   min_replicas=num_groups if ns.min_replicas is None else ns.min_replicas,
                    replica_group=replica_group, num_groups=num_groups, group_size=group_size,
                    group_rank=env.rank)

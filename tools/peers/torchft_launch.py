@@ -81,26 +81,45 @@ def _prefixed(prefix: Sequence[str], argv: list, env: dict) -> list:
     return [*prefix, "env", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
+def _rendezvous(host: str, port: int, max_restarts: int) -> list:
+    """torchrun's rendezvous flags of one group: its store at host:port; with restarts a fresh
+    store per attempt instead (--standalone, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; the workers'
+    MASTER_ADDR is host, MASTER_PORT a new port), since on the static one a restarted job reads
+    its previous attempt's addresses (as in elastic_launch)."""
+    if not max_restarts:
+        return ["--master-addr", host, "--master-port", str(port)]
+    return ["--max-restarts", str(max_restarts), "--standalone", "--local-addr", host]
+
+
 def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequence[str], *,
                      prefixes: Optional[Sequence[Sequence[str]]] = None,
                      advertise_hosts: Optional[Sequence[str]] = None,
                      lighthouse_addr: Optional[str] = None, lighthouse_bind: Optional[str] = None,
                      lighthouse_prefix: Sequence[str] = (), master_ports: Optional[Sequence[int]] = None,
                      python: str = sys.executable, join_timeout_ms: int = 10000,
-                     quorum_tick_ms: int = 100) -> TorchftPlan:
+                     quorum_tick_ms: int = 100, min_replicas: Optional[int] = None, max_restarts: int = 0,
+                     heartbeat_timeout_ms: Optional[int] = None) -> TorchftPlan:
     """The lighthouse command and one torchrun command per replica group.
 
     prefixes / advertise_hosts / master_ports: one per group (default: no prefix, 127.0.0.1,
-    free loopback ports). lighthouse_addr: host:port the groups connect to (default 127.0.0.1 and
-    a free port); lighthouse_bind: what it listens on (default lighthouse_addr)."""
+    free loopback ports; master_ports go unused with max_restarts). lighthouse_addr: host:port the groups connect to (default 127.0.0.1 and
+    a free port); lighthouse_bind: what it listens on (default lighthouse_addr).
+    Failures: min_replicas (default all groups) is the lighthouse's --min_replicas and the
+    workers' --min-replicas, the groups a sync needs; max_restarts is torchrun's --max-restarts of
+    each group (a restarted group heals from the live ones, torchft_train.rejoin);
+    heartbeat_timeout_ms how long the lighthouse counts a silent group as live (default: its own)."""
     problems = []
     if num_groups < 1 or ranks_per_group < 1:
         problems.append(f"groups={num_groups} and ranks per group={ranks_per_group} must be at least 1")
+    if min_replicas is not None and not 1 <= min_replicas <= num_groups:
+        problems.append(f"min_replicas={min_replicas} must lie in [1, {num_groups}]")
+    if max_restarts < 0:
+        problems.append(f"max_restarts={max_restarts} must be at least 0")
     for name, values in (("prefixes", prefixes), ("advertise_hosts", advertise_hosts),
                          ("master_ports", master_ports)):
         if values is not None and len(values) != num_groups:
             problems.append(f"{name} has {len(values)} entries for {num_groups} replica groups")
-    for flag in ("--advertise-host", "--fl-num-groups", "--world-size"):
+    for flag in ("--advertise-host", "--min-replicas", "--fl-num-groups", "--world-size"):
         if _flag_value(worker_flags, flag) is not None or flag in worker_flags:
             problems.append(f"{flag} is set by the launcher; drop it from the worker flags")
     if problems:
@@ -111,16 +130,21 @@ def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequen
     lighthouse_addr = lighthouse_addr or f"127.0.0.1:{free_port()}"
     lighthouse_env = {"RUST_LOG": "warn"}
     lighthouse_argv = [str(Path(python).parent / LIGHTHOUSE_EXE), "--bind", lighthouse_bind or lighthouse_addr,
-                       "--min_replicas", str(num_groups), "--quorum_tick_ms", str(quorum_tick_ms),
+                       "--min_replicas", str(min_replicas or num_groups), "--quorum_tick_ms", str(quorum_tick_ms),
                        "--join_timeout_ms", str(join_timeout_ms)]
+    if heartbeat_timeout_ms is not None:
+        lighthouse_argv += ["--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
+    replicas = ["--min-replicas", str(min_replicas)] if min_replicas is not None else []
     lighthouse = Command("lighthouse", _prefixed(lighthouse_prefix, lighthouse_argv, lighthouse_env), lighthouse_env)
     groups = []
     for g in range(num_groups):
         env = {"TORCHFT_LIGHTHOUSE": f"http://{lighthouse_addr}", "REPLICA_GROUP_ID": str(g),
                "NUM_REPLICA_GROUPS": str(num_groups), "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+        if max_restarts:  # a fresh rendezvous store per attempt (see _rendezvous)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         argv = [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks_per_group),
-                "--master-addr", hosts[g], "--master-port", str(ports[g]), str(WORKER),
-                *worker_flags, "--advertise-host", hosts[g]]
+                *_rendezvous(hosts[g], ports[g], max_restarts), str(WORKER),
+                *worker_flags, *replicas, "--advertise-host", hosts[g]]
         groups.append(Command(f"group{g}", _prefixed(prefixes[g], argv, env), env))
     run_dir = Path(_flag_value(worker_flags, "--run-dir") or "runs/latest")
     return TorchftPlan(lighthouse, groups, lighthouse_addr, run_dir)
@@ -162,6 +186,31 @@ def _wait_listening(addr: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the lighthouse did not listen on {addr} within {timeout:.0f} s")
 
 
+STRANDED_GRACE_S = 60.0  # normal ends of groups are seconds apart; a stranded group waits far longer
+
+
+class StrandedWatch:
+    """Groups that can no longer meet a quorum of min_replicas: some group finished (exit code 0)
+    and fewer than min_replicas are still running - a restarted group that came back after the
+    others' last sync waits for one in vain (up to its quorum timeout). `check` names them once
+    that has lasted grace_s."""
+
+    def __init__(self, min_replicas: int, grace_s: float = STRANDED_GRACE_S):
+        self.min_replicas, self.grace_s, self.since = min_replicas, grace_s, None
+
+    def check(self, codes: list, now: float) -> Optional[str]:
+        running = [i for i, c in enumerate(codes) if c is None]
+        if not (running and 0 in codes and len(running) < self.min_replicas):
+            self.since = None
+            return None
+        self.since = now if self.since is None else self.since
+        if now - self.since < self.grace_s:
+            return None
+        return (f"group(s) {running} still wait for a quorum of {self.min_replicas} groups {now - self.since:.0f} s "
+                "after the others finished (a restarted group came back after their last sync: train longer "
+                "or kill earlier)")
+
+
 def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Path] = None,
                 wait_lighthouse: Optional[bool] = None) -> TorchftResult:
     """Start the lighthouse and every group; wait for the groups (at most `timeout` s); stop
@@ -172,6 +221,7 @@ def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Pat
     if wait_lighthouse is None:
         wait_lighthouse = plan.lighthouse.argv[0].endswith(LIGHTHOUSE_EXE)
     started, logs, codes, failure = [], {}, [None] * len(plan.groups), None
+    stranded = StrandedWatch(int(_flag_value(plan.lighthouse.argv, "--min_replicas") or len(plan.groups)))
     begin = time.monotonic()
     try:
         lighthouse, logs["lighthouse"] = _start(plan.lighthouse, log_dir)
@@ -195,6 +245,7 @@ def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Pat
             elif time.monotonic() - begin > timeout:
                 failure = f"timed out after {timeout:.0f} s"
             else:
+                failure = stranded.check(codes, time.monotonic())
                 time.sleep(0.1)
     except BaseException as e:
         failure = failure or f"launcher stopped: {e!r}"
