@@ -1,6 +1,7 @@
 """Bad layouts, flags and config files fail before any process group exists, naming the problem."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -142,6 +143,30 @@ def _ds_json(tmp_path, **overrides) -> str:
 ])
 def test_deepspeed_config_errors_fail_before_process_groups(launched, capsys, tmp_path, overrides, flags, needles):
     _fails(capsys, BASE + ["--deepspeed_config", _ds_json(tmp_path, **overrides)] + flags, *needles)
+
+
+def _without_accumulation(tmp_path, batch: int) -> str:
+    path = _ds_json(tmp_path, train_batch_size=batch, federation={"group_size": 8, "sync_interval": 4})
+    ds = json.loads(Path(path).read_text())
+    del ds["gradient_accumulation_steps"]
+    Path(path).write_text(json.dumps(ds))
+    return path
+
+
+def test_deepspeed_derives_a_missing_accumulation_from_the_train_batch_as_deepspeed_does(tmp_path):
+    from fl_megatron.config.deepspeed_json import engine_config
+    from fl_megatron.config.flags import parse_args
+    from fl_megatron.config.resolved import resolve
+
+    cfg, _ = parse_args(BASE + ["--deepspeed_config", _without_accumulation(tmp_path, 64)])
+    assert cfg.training.gradient_accumulation_steps is None
+    run = resolve(cfg, 16, 4)  # two federation groups of 8: DeepSpeed's world is one group
+    assert run.layout.group_size == 8 and run.accumulation == 64 // (4 * 8)
+    engine = engine_config(cfg.deepspeed, cfg.training, data_parallel_size=8, steps=10, accumulation=run.accumulation)
+    assert (engine["train_batch_size"], engine["gradient_accumulation_steps"]) == (64, 2)
+    with pytest.raises(ValueError, match=r"train_batch_size=48 is not a multiple of micro-batch 4 x group size "
+                                         r"8 = 32.*valid values are 32, 64, 96"):
+        resolve(parse_args(BASE + ["--deepspeed_config", _without_accumulation(tmp_path, 48)])[0], 16, 4)
 
 
 def test_deepspeed_config_sets_the_run_and_fl_flags_override_its_federation_block(tmp_path):

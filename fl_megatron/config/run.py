@@ -51,11 +51,15 @@ class RunConfig:
                            group_size=self.federation.group_size, num_groups=self.federation.num_groups,
                            shard_size=self.federation.hsdp_shard_size)
 
-    def accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches per optimizer step, from --global-batch-size or --gradient-accumulation-steps."""
+    def accumulation_steps(self, world_size: int, group_size: Optional[int] = None) -> int:
+        """Micro-batches per optimizer step, from --global-batch-size or --gradient-accumulation-steps;
+        without either, from a DeepSpeed JSON's train_batch_size as DeepSpeed derives it, the
+        federation group (`group_size` ranks) being DeepSpeed's world."""
         t = self.training
         per_micro = t.micro_batch_size * world_size
         if t.global_batch_size is None:
+            if t.gradient_accumulation_steps is None and group_size and "train_batch_size" in (self.deepspeed or {}):
+                return self._deepspeed_accumulation(group_size)
             return t.gradient_accumulation_steps or 1
         if t.global_batch_size % per_micro:
             raise ValueError(
@@ -70,6 +74,18 @@ class RunConfig:
                 f"gradient_accumulation_steps={t.gradient_accumulation_steps} was given")
         return steps
 
+    def _deepspeed_accumulation(self, group_size: int) -> int:
+        """train_batch_size / (micro-batch x group size), as DeepSpeed fills in a missing
+        gradient_accumulation_steps."""
+        batch, micro = self.deepspeed["train_batch_size"], self.training.micro_batch_size
+        per_step = micro * group_size
+        if not isinstance(batch, int) or batch < per_step or batch % per_step:
+            raise ValueError(f"DeepSpeed train_batch_size={batch!r} is not a multiple of micro-batch {micro} x "
+                             f"group size {group_size} = {per_step}: without gradient_accumulation_steps it must "
+                             f"be one (DeepSpeed derives the accumulation from it, the federation group being its "
+                             f"world); valid values are {per_step}, {2 * per_step}, {3 * per_step}, ...")
+        return batch // per_step
+
     def validate(self, world_size: int, local_world_size: Optional[int] = None) -> Layout:
         """Check every section and their combination for `world_size` ranks; return the layout."""
         nonfinite = nonfinite_fields({name: getattr(self, name) for name in SECTIONS})
@@ -80,7 +96,7 @@ class RunConfig:
         for name in SECTIONS:
             getattr(self, name).validate()
         layout = self.layout(world_size, local_world_size)
-        accumulation = self.accumulation_steps(world_size)
+        accumulation = self.accumulation_steps(world_size, layout.group_size)
         if self.deepspeed is not None and self.parallel.backend != "deepspeed":
             raise ValueError(f"a DeepSpeed config was given but backend={self.parallel.backend!r}; "
                              "drop --backend or use --backend deepspeed")
