@@ -1,8 +1,9 @@
 """FederationEngine in one process, through a fake backend: when it syncs, what it hands the
 averager, that it refreshes the backend after writing the shards in place, and what it reports.
 
-The peer group is this process's 1-rank group (the layout says 2 groups of 1 rank, so the
-engine is active): the average of a shard over its peers is then the shard itself."""
+The bookkeeping tests use this process's 1-rank group as the peer group (the layout says 2
+groups of 1 rank, so the engine is active; the average over one peer is the shard itself); the
+averaging test runs 2 real groups of 1 rank each, in two processes, against the closed-form mean."""
 
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from fl_megatron.config import FederationConfig
 from fl_megatron.federation import FederationEngine
 from fl_megatron.federation.membership import whole_federation
+from fl_megatron.local_ranks import run_ranks
 from fl_megatron.topology import make_layout
 
 
@@ -30,10 +32,11 @@ class FakeBackend:
         self.calls.append("refresh")
 
 
-def _groups(world):
-    layout = make_layout(2, ranks_per_node=1, group_size=1)  # 2 groups of 1 rank, on 2 nodes
-    return SimpleNamespace(layout=layout, coords=(0, 0, 0), rank=0, peer=world, replica=None, federation=world,
-                           exchange_peer=None, may_roll_back=False, meet=lambda: whole_federation(2, 0),
+def _groups(world, rank: int = 0):
+    """Rank `rank` of 2 groups of 1 rank on 2 nodes, its peer group `world`."""
+    layout = make_layout(2, ranks_per_node=1, group_size=1)
+    return SimpleNamespace(layout=layout, coords=(rank, 0, 0), rank=rank, peer=world, replica=None, federation=world,
+                           exchange_peer=None, may_roll_back=False, meet=lambda: whole_federation(2, rank),
                            tier=lambda kind: "inter-node", mesh=SimpleNamespace(device_type="cpu"),
                            all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
 
@@ -59,3 +62,28 @@ def test_sync_reports_payload_bytes_and_disabled_syncing_never_calls_the_backend
     quiet = FakeBackend()
     off = FederationEngine(quiet, _groups(world), FederationConfig(sync_interval=2, disable_sync=True))
     assert all(off.after_step(s, last=s == 4) is None for s in range(1, 5)) and quiet.calls == []
+
+
+def _two_groups_sync(rank: int, world: int) -> list:
+    """Group `rank` (of 2, one rank each) with shards that differ by group, through two syncs."""
+    backend = FakeBackend()
+    backend.shards = [shard * (rank + 1) + 10 * rank for shard in backend.shards]
+    engine = FederationEngine(backend, _groups(dist.group.WORLD, rank), FederationConfig(sync_interval=2))
+    first = engine.after_step(2)
+    after = [shard.tolist() for shard in backend.shards]  # plain lists: tensors do not outlive the process
+    with torch.no_grad():  # the groups drift apart again before the next sync
+        for shard in backend.shards:
+            shard.add_(rank + 1)
+    engine.after_step(4, last=True)
+    return [first.step, after, [shard.tolist() for shard in backend.shards], backend.calls]
+
+
+def test_two_groups_end_each_sync_with_the_mean_of_their_shards():
+    results = run_ranks(2, _two_groups_sync, timeout=120)
+    base = FakeBackend().shards
+    mean = [(shard + (2 * shard + 10)) / 2 for shard in base]  # groups 0 and 1 as _two_groups_sync makes them
+    for step, after, final, calls in results:
+        assert step == 2 and calls == ["local_shards", "refresh"] * 2
+        assert all(torch.allclose(torch.tensor(a), m) for a, m in zip(after, mean))
+        # the second sync averages the drift too: + (1 + 2) / 2
+        assert all(torch.allclose(torch.tensor(f), m + 1.5) for f, m in zip(final, mean))
