@@ -5,7 +5,14 @@ groups meeting only at syncs (tools/elastic_launch.py).
   losses of every group within 1e-6) and are bit-identical after every sync.
 - A group dies: a rank of group 1 is SIGKILLed between two syncs; groups 0 and 2 go on without
   restarting and sync without it; torchrun restarts group 1, which heals from them at a later sync
-  (no checkpoint) and ends bit-identical to them.
+  (no checkpoint) and ends bit-identical to them; on fsdp2 and DeepSpeed, with FL+HSDP and with
+  int8 + error feedback + nesterov (the last two `make test-heavy`).
+- A peer lost in the middle of a sync: the survivors vote it down and agree again at the next.
+- A group leaves for good and a new one joins a running federation.
+- The whole federation resumes exactly from each group's own checkpoints; a group behind takes
+  the others' state at start-up.
+- Too few live groups: the others wait out the quorum timeout, save and stop (exit code 5)
+  naming the missing group.
 """
 
 import json
