@@ -83,13 +83,13 @@ def test_non_contiguous_shard_raises(world, make):
     assert not bad.is_contiguous()
     good = torch.randn(8)
     before = good.clone()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="shard 1 is not contiguous"):
         ShardAverager(world, 1).average([good, bad])
     assert torch.equal(good, before)
 
 
 def test_mixed_dtypes_raise(world):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"mixed dtypes \['torch.float32', 'torch.float64'\]"):
         ShardAverager(world, 1).average([torch.zeros(3), torch.zeros(3, dtype=torch.float64)])
 
 
@@ -98,7 +98,7 @@ def test_mixed_dtypes_raise(world):
     dict(num_groups=1, replicas=2, replica_index=-1), dict(num_groups=1, replicas=2),  # split needs a group
 ])
 def test_inconsistent_constructor_arguments_raise(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="are inconsistent|replica split needs the replica process group"):
         ShardAverager(None, **kwargs)
 
 
@@ -128,7 +128,7 @@ def test_sync_due_default_is_federated():
 
 @pytest.mark.parametrize("step", [0, -1, -10])
 def test_sync_due_rejects_step_below_one(step):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"step={step} must count completed optimizer steps from 1"):
         sync_due(step, 1, False)
 
 

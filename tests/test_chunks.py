@@ -118,7 +118,8 @@ def test_inplace_min_boundary():
 
 @pytest.mark.parametrize("bucket,replicas", [(3, 4), (0, 1), (1, 2), (5, 0), (5, -1), (0, 0)])
 def test_invalid_bucket_or_replicas_raise(bucket, replicas):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"bucket of {bucket} elements is smaller than replicas={replicas}|"
+                                         f"replicas={replicas} must be at least 1"):
         plan_chunks([10, 3], bucket, replicas=replicas)
 
 

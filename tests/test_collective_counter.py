@@ -93,7 +93,7 @@ def test_fresh_ledger_is_zero():
 def test_ledger_rejects_unknown_scope_or_tier(scope, tier):
     ledger = CommLedger()
     ledger.add("inter-group", "inter-node", 5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"unknown scope '{scope}' or tier '{tier}'"):
         ledger.add(scope, tier, 100)
     assert ledger.snapshot() == {"intra_group_bytes": 0, "inter_group_bytes": 5,
                                  "intra_node_bytes": 0, "inter_node_bytes": 5}

@@ -89,5 +89,5 @@ def test_decay_iters_defaults_to_train_iters():
 
 
 def test_negative_step_raises():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="step=-1 must be >= 0"):
         learning_rate(-1, _cfg("cosine"))

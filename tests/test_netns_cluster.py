@@ -83,7 +83,7 @@ def test_tbf_params_scale_with_rate():
     assert low["burst"] == 4 * 1514 and high["burst"] == 1_250_000
     assert high["limit"] == 1_250_000 + 62_500_000 and low["limit"] == 4 * 1514 + 512 * 1024
     assert low["rate_bit"] == 10_000_000
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rate_mbit must be > 0, got 0"):
         tbf_params(0, 1500, 1.0, 20.0)
 
 
