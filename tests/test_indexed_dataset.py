@@ -194,7 +194,7 @@ def test_failure_leaves_nothing(tmp_path):
 
 def test_failure_keeps_previous_dataset(tmp_path):
     prefix = _write(str(tmp_path / "d"), [[1, 2, 3]])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="token 70000 out of range for uint16"):
         with IndexedDatasetWriter(prefix, np.uint16) as w:
             w.add_document([4, 5])
             w.add_document([70000])
@@ -213,8 +213,11 @@ def test_dtypes_and_ranges(tmp_path):
     assert DTYPE_CODES[4] == np.int32 and DTYPE_CODES[8] == np.uint16
     w = IndexedDatasetWriter(str(tmp_path / "r"), np.uint16)
     w.add_document([0, 65535])
-    for bad in ([65536], [-1], np.array([1.5]), [[1, 2]]):
-        with pytest.raises(ValueError):
+    for bad, says in (([65536], r"token 65536 out of range for uint16 \[0, 65535\]"),
+                      ([-1], r"token -1 out of range for uint16 \[0, 65535\]"),
+                      (np.array([1.5]), "tokens must be integers, got dtype float64"),
+                      ([[1, 2]], r"a document must be 1-D, got shape \(1, 2\)")):
+        with pytest.raises(ValueError, match=says):
             w.add_document(bad)
     w.abort()
     assert os.listdir(tmp_path) == []

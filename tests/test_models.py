@@ -277,5 +277,6 @@ def test_invalid_configs_raise(changes, numbers):
         build_model(cfg)
     for text in numbers:
         assert text in str(err.value)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="invalid model: ") as again:
         count_parameters(cfg)
+    assert str(again.value) == str(err.value)  # the same check, the same words
