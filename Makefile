@@ -69,7 +69,7 @@ test: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)
 
 # The slow end-to-end variants make test leaves out (pytest -m heavy): elastic kills with int8 +
-# error feedback + nesterov and with FL+HSDP, a peer lost mid-sync with FL+HSDP.
+# error feedback + nesterov and with FL+HSDP, a peer lost mid-sync with FL+HSDP, the elastic resume.
 test-heavy: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m heavy $(ARGS)
 

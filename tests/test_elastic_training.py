@@ -204,6 +204,7 @@ def _losses(run_dir: Path, g: int) -> dict:
     return {r["step"]: r["loss"] for r in _records(_group_dir(run_dir, g) / "groups" / f"group_{g:05d}.jsonl")}
 
 
+@HEAVY
 def test_the_whole_federation_resumes_exactly_from_each_groups_own_checkpoints(tmp_path):
     steps = 16
     # uninterrupted, saving every sync into each group's own directory (SAVE/group_GGGGG)
