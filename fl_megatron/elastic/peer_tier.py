@@ -72,10 +72,10 @@ class ElasticPeerTier:
             self.manager.start_quorum()
         except TimeoutError as e:  # the lighthouse never had --fl-min-groups groups asking
             waited = time.perf_counter() - start
-            missing, text = missing_groups_text(self.lighthouse, self.num_groups)
+            _, text = missing_groups_text(self.lighthouse, self.num_groups)
             raise TooFewGroups(f"fewer than --fl-min-groups {self.min_groups} groups met within the quorum timeout "
                                f"({waited:.0f} s, --fl-quorum-timeout-minutes {self.quorum_timeout.total_seconds() / 60:g}): "
-                               f"{text}", missing, waited) from e
+                               f"{text}") from e
         # torchft rebuilt it (on its quorum thread) if the membership changed; from here on only
         # the thread that called meet() issues collectives on it
         raw = self._pg._pg

@@ -25,9 +25,5 @@ def whole_federation(num_groups: int, group: int) -> Membership:
 
 
 class TooFewGroups(RuntimeError):
-    """Elastic mode: fewer live groups than --fl-min-groups met within the quorum timeout.
-    `missing`: the slots the lighthouse did not hear from (None where it could not be asked)."""
-
-    def __init__(self, text: str, missing: "tuple | None" = None, waited_s: float = 0.0) -> None:
-        super().__init__(text)
-        self.missing, self.waited_s = missing, waited_s
+    """Elastic mode: fewer live groups than --fl-min-groups met within the quorum timeout (the
+    message names the missing groups)."""
