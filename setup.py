@@ -29,6 +29,9 @@ setup(
         # shards: 0.16.1 (the release for Python 3.11 and Megatron-LM core_v0.16.1) is tested;
         # its parallel_state needs einops (undeclared) for partial distributed optimizers
         "megatron": ["megatron-core==0.16.1", "einops>=0.8"],
+        # a patched Megatron-LM checkout (patches/megatron-lm/): its training code imports six (the
+        # BERT tokenizer module, loaded by every pretrain script), which megatron-core does not declare
+        "megatron-lm": ["megatron-core==0.16.1", "einops>=0.8", "six>=1.16"],
         # Hugging Face tokenizer.json files for tools/preprocess_data.py (--tokenizer-type HuggingFaceTokenizer)
         "data": ["tokenizers>=0.19"],
         # --tensorboard-dir writes TensorBoard event files; --wandb-project logs to Weights & Biases
@@ -45,7 +48,8 @@ setup(
         # megatron-core: format compatibility tests of the indexed datasets (its dataset code needs no GPU)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "safetensors>=0.4",
                  "tokenizers>=0.19", "deepspeed==0.19.8", "megatron-core==0.16.1", "einops>=0.8",
-                 "tensorboard>=2.14", "matplotlib>=3.7", "torchft==0.2.0", "hypothesis==6.170.17"],
+                 "tensorboard>=2.14", "matplotlib>=3.7", "torchft==0.2.0", "hypothesis==6.170.17",
+                 "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["fl-megatron-pretrain=fl_megatron.pretrain:run_and_exit"]},
 )

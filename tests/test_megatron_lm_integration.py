@@ -53,14 +53,18 @@ def _synced(h, loop, ddp, pre_mains):
 
 
 def _mains(loop):
-    return torch.cat([m.reshape(-1) for m in loop.main_shards()]).clone()
+    return torch.cat([m.detach().reshape(-1) for m in loop.main_shards()]).clone()
 
 
 def _integration_job(rank, world):
     import megatron_lm_helpers as h
     from megatron.core import parallel_state as ps
 
+    from fl_megatron.config.parallel import FederationConfig
     from fl_megatron.integrations.megatron_lm import FederatedOuterLoop
+
+    def fed_config(**kw):
+        return FederationConfig(num_groups=2, **kw)
 
     out = {}
     # --- FL+FSDP: N = F = 2 instances of 2 ranks, bf16, H = 2 -------------------------------
@@ -72,7 +76,7 @@ def _integration_job(rank, world):
         h.finish(base)
     out["ungated_outside"] = [op for op in recorder.ops if not set(op[1]) <= set(fed)]
     ddp, opt = h.build(2, bf16=True, overlap=False)
-    loop = FederatedOuterLoop([ddp], opt, num_groups=2, sync_interval=2, train_iters=10, log=lambda s: None)
+    loop = FederatedOuterLoop([ddp], opt, fed_config(sync_interval=2), train_iters=10, log=lambda s: None)
     ddp_optimizer[0] = opt
     _grad_check(h, ddp, rank, fed, h.batch(rank, 1), out, "fsdp")
     after_step1 = h.params_flat(ddp).clone()
@@ -99,7 +103,7 @@ def _integration_job(rank, world):
 
     # --- the same with --overlap-grad-reduce and --overlap-param-gather ----------------------
     ddp2, opt2 = h.build(2, bf16=True, overlap=True)
-    loop2 = FederatedOuterLoop([ddp2], opt2, num_groups=2, sync_interval=2, overlap_param_gather=True,
+    loop2 = FederatedOuterLoop([ddp2], opt2, fed_config(sync_interval=2), overlap_param_gather=True,
                                log=lambda s: None)
     recorder = h.GroupRecorder()
     with recorder:
@@ -117,7 +121,7 @@ def _integration_job(rank, world):
     # --- FL+HSDP: N = 4 instances of 1 rank, F = 2 groups of P = 2 replicas, fp32 -------------
     ps.destroy_model_parallel()
     ddp3, opt3 = h.build(4, bf16=False, overlap=False)
-    loop3 = FederatedOuterLoop([ddp3], opt3, num_groups=2, sync_interval=1, log=lambda s: None)
+    loop3 = FederatedOuterLoop([ddp3], opt3, fed_config(sync_interval=1), log=lambda s: None)
     out["hsdp_groups"] = (loop3.groups.peer_ranks, loop3.groups.replica_ranks, loop3.groups.replica_index)
     ddp_optimizer[0] = opt3
     _grad_check(h, ddp3, rank, fed, h.batch(rank, 1), out, "hsdp")
@@ -133,7 +137,7 @@ def _integration_job(rank, world):
     args = megatron_args(world_size=4, tensor_model_parallel_size=1, num_distributed_optimizer_instances=4,
                          fl_num_groups=2, ddp_average_in_collective=True, iteration=0)
     loop4 = FederatedOuterLoop.from_megatron_args(args, [ddp4], opt4)
-    out["from_args"] = (loop4.groups.replicas, loop4.interval, loop4.train_iters, args.fl_enabled)
+    out["from_args"] = (loop4.groups.replicas, loop4.config.sync_interval, loop4.train_iters, args.fl_enabled)
     ddp_optimizer[0] = opt4
     _grad_check(h, ddp4, rank, fed, h.batch(rank, 1), out, "hsdp_avg")
     return out
@@ -161,17 +165,83 @@ def test_outer_loop_gating_and_checkpoint_rule():
             same_mains, err, same_params, copied = r[key]
             assert same_mains and same_params and copied and err < 1e-6, (key, r[key])
         assert r["overlap_vs_plain_step1"] == 0.0
-        inter = [op for op in r["sync_ops"] if set(op[1]) == peers]
-        assert sum(op[2] for op in inter) == r["shard_bytes"]
+        # the shards cross groups once; the rest on the peer group is the vote and the metrics (< 1 KB)
+        inter = [op[2] for op in r["sync_ops"] if set(op[1]) == peers]
+        assert sum(b for b in inter if b >= 1024) == r["shard_bytes"] and sum(b for b in inter if b < 1024) < 1024
         assert {frozenset(op[1]) for op in r["sync_ops"]} <= {frozenset(peers), frozenset(fed)}
         # FL+HSDP sync with replica split: half of the shards cross groups, then the replicas exchange
         assert r["hsdp_groups"] == (sorted(peers), sorted(fed), rank % 2)
-        hsdp_inter = sum(op[2] for op in r["hsdp_sync_ops"] if set(op[1]) == peers)
+        hsdp_inter = sum(op[2] for op in r["hsdp_sync_ops"] if set(op[1]) == peers and op[2] >= 1024)
         assert hsdp_inter == r["hsdp_shard_bytes"] // 2, (hsdp_inter, r["hsdp_shard_bytes"])
         # (iii) the checkpoint rule
         assert r["sync_at_3"] is None and r["hash_ok_3_before"] is False
         assert r["save_3"].startswith("fl-megatron: sync 2 at iteration 3")
         assert r["save_3_again"] is None and r["hash_ok_3_after"] is True
+
+
+def _outer_job(rank, world, tmp):
+    """Nesterov outer steps with int8 + error feedback through the Megatron-LM loop, against the
+    plain-torch DiLoCo reference of test_outer_sync; then the state beside a checkpoint."""
+    import megatron_lm_helpers as h
+
+    from fl_megatron.config.parallel import FederationConfig
+    from fl_megatron.integrations.megatron_lm import FederatedOuterLoop
+
+    out = {}
+    config = FederationConfig(num_groups=2, sync_interval=2, outer_optimizer="nesterov", outer_lr=0.7,
+                              outer_momentum=0.9)
+    ddp, opt = h.build(2, bf16=False, overlap=False)
+    loop = FederatedOuterLoop([ddp], opt, config, train_iters=100, save_dir=tmp, log=lambda s: None)
+    peers = loop.groups.peer_ranks
+    anchor = _mains(loop)
+    reference = torch.optim.SGD([anchor], lr=0.7, momentum=0.9, nesterov=True)
+    gaps = []
+    for step in range(1, 5):
+        h.train_step(ddp, opt, h.batch(rank, step))
+        if step % 2 == 0:
+            everyone = h.gather(_mains(loop))
+            anchor.grad = anchor.detach() - (everyone[peers[0]] + everyone[peers[1]]) / 2
+            reference.step()
+        loop.after_iteration(step)
+        if step % 2 == 0:
+            gaps.append(((_mains(loop) - anchor).abs().max() / anchor.abs().max()).item())
+    out["nesterov_gaps"] = gaps
+    # the federation's state beside a checkpoint, read back by a fresh loop (int8 + error feedback)
+    config = FederationConfig(num_groups=2, sync_interval=2, outer_optimizer="nesterov", sync_dtype="int8",
+                              error_feedback=True)
+    loop = FederatedOuterLoop([ddp], opt, config, train_iters=100, save_dir=tmp, log=lambda s: None)
+    for step in range(5, 7):
+        h.train_step(ddp, opt, h.batch(rank, step))
+        loop.after_iteration(step)
+    h.train_step(ddp, opt, h.batch(rank, 7))
+    loop.after_iteration(7)
+    loop.before_save(7)  # off the grid: a full sync, then the state file
+    saved = {k: v.clone() for k, v in loop.engine.state_tensors().items()}
+    moments = [t.clone() for t in loop.shards.inner_state_shards()]
+    out["residuals_saved"] = sum(k.startswith("residual.") for k in saved)
+    fresh = FederatedOuterLoop([ddp], opt, config, train_iters=100, log=lambda s: None)
+    for t in fresh.shards.inner_state_shards():
+        t.zero_()
+    fresh.resume(tmp, 7)
+    loaded = fresh.engine.state_tensors()
+    out["state_equal"] = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    out["moments_equal"] = all(torch.equal(a, b) for a, b in zip(moments, fresh.shards.inner_state_shards()))
+    out["last_synced"] = fresh.engine.last_synced_step
+    try:
+        fresh.resume(tmp, 9)
+        out["missing"] = "no error"
+    except FileNotFoundError as e:
+        out["missing"] = str(e)
+    return out
+
+
+def test_outer_step_matches_plain_torch_diloco_and_the_state_resumes(tmp_path):
+    results = run_ranks(4, _outer_job, str(tmp_path), timeout=600)
+    for r in results:
+        assert len(r["nesterov_gaps"]) == 2 and max(r["nesterov_gaps"]) <= 1e-6, r["nesterov_gaps"]
+        assert r["residuals_saved"] > 0 and r["state_equal"] and r["moments_equal"], r
+        assert r["last_synced"] == 7
+        assert "iteration 9 is not in" in r["missing"] and "needs it to resume" in r["missing"], r["missing"]
 
 
 # --- flags and validation (pure) ---------------------------------------------------------------
@@ -245,12 +315,41 @@ def test_defaults_resolve_from_the_instances():
     (dict(fl_num_groups=2, check_weight_hash_across_dp_replicas_interval=12),
      "interval 12 must be a multiple of --fl-sync-interval H=8"),
     (dict(fl_num_groups=2, fl_disable_sync=True, save="/ckpt"), "a checkpoint would mix their weights"),
-    (dict(fl_num_groups=2, fl_sync_interval=-1), "--fl-sync-interval -1 must be >= 0"),
+    (dict(fl_num_groups=2, fl_sync_interval=-1), "sync_interval=-1 must be >= 0"),
+    # the engine's own checks, as in fl_megatron.pretrain
+    (dict(fl_num_groups=2, fl_sync_dtype="fp8"), "sync_dtype='fp8' is not one of"),
+    (dict(fl_num_groups=2, fl_error_feedback=True), "error_feedback needs a compressed sync"),
+    (dict(fl_num_groups=2, fl_topology="torus"), "a torus needs the number of federation groups"),
+    # what a patched Megatron-LM refuses, with the reason
+    (dict(fl_num_groups=2, fl_elastic=True), "--fl-elastic: elastic federation groups"),
+    (dict(fl_num_groups=2, fl_sick_loss_ratio=3.0), "--fl-sick-loss-ratio: Megatron-LM's train_step averages"),
+    (dict(fl_num_groups=2, fl_group_size=8), "--fl-group-size: Megatron-LM's federation groups are made of"),
+    (dict(fl_num_groups=2, fl_outer_optimizer="nesterov", save="/ckpt", non_persistent_save_interval=4),
+     "--non-persistent-save-interval: the outer optimizer's state"),
 ])
 def test_validation_names_the_problem(overrides, expected):
     with pytest.raises(ValueError, match="fl-megatron: invalid federated settings") as err:
         _validated(**overrides)
     assert expected in str(err.value)
+
+
+def test_every_pretrain_federation_flag_exists_in_megatron_lm():
+    import argparse
+    import dataclasses
+
+    from fl_megatron.config.flags import build_parser, flag_name
+    from fl_megatron.config.parallel import FederationConfig
+    from fl_megatron.integrations.megatron_lm import add_federation_args
+
+    ours = add_federation_args(argparse.ArgumentParser())
+    known = {s for a in ours._actions for s in a.option_strings}
+    pretrain = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--fl-")}
+    assert pretrain <= known, sorted(pretrain - known)
+    for f in dataclasses.fields(FederationConfig):
+        assert flag_name("federation", f.name) in known, f.name
+    # given values reach the engine's config; the old spelling of the replica split still parses
+    args = ours.parse_args(["--fl-outer-optimizer", "adam", "--fl-fragments", "2", "--no-fl-replica-split"])
+    assert (args.fl_outer_optimizer, args.fl_fragments, args.fl_replica_split) == ("adam", 2, False)
 
 
 def test_pipeline_parallel_fits_with_dp_outermost():

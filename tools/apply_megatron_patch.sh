@@ -7,6 +7,12 @@
 # checkout with tags, and megatron/core/package_info.py in every case). Checks every patch
 # before changing anything; patches already applied are skipped, so running it twice is fine.
 # --check only reports what it would do. Exit status: 0 done (or nothing to do), 1 refused.
+#
+# Then it checks the Python that will run Megatron-LM ($PYTHON, default python3) for what the
+# patched training needs beyond Megatron-LM itself (fl-megatron, megatron-core 0.16.1, six, einops:
+# pip install -e '<fl-megatron>[megatron-lm]'), and copies the prebuilt dataset helpers of the
+# installed megatron-core wheel into the checkout when it has none (else Megatron-LM builds them
+# with make at start-up, which needs pybind11 and python3-config).
 set -euo pipefail
 
 TAG=core_v0.16.1
@@ -64,15 +70,44 @@ $err"
     fi
 done < "$PATCHES/series"
 
+REPO="$(cd "$PATCHES/../.." && pwd)"
+environment() {
+    local py="${PYTHON:-python3}" missing helpers
+    command -v "$py" >/dev/null || { echo "environment: $py not found (set PYTHON to the one that runs Megatron-LM)"; return; }
+    missing="$("$py" - <<'PY'
+import importlib.util
+need = {"fl_megatron": "fl-megatron", "megatron.core": "megatron-core==0.16.1", "six": "six", "einops": "einops"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod.split(".")[0]) is None
+               or (mod == "megatron.core" and importlib.util.find_spec(mod) is None)))
+PY
+)"
+    if [ -n "$missing" ]; then
+        echo "environment: $py lacks $missing; install them with: $py -m pip install -e '$REPO[megatron-lm]'"
+    else
+        echo "environment: $py has fl-megatron, megatron-core, six and einops"
+    fi
+    ls "$DIR"/megatron/core/datasets/helpers_cpp*.so >/dev/null 2>&1 && return
+    helpers="$("$py" -c 'import glob, os, sysconfig, megatron.core.datasets as d; print(os.path.join(os.path.dirname(d.__file__), "helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX")))' 2>/dev/null || true)"
+    if [ -n "$helpers" ] && [ -f "$helpers" ] && [ $CHECK_ONLY -eq 0 ]; then
+        cp "$helpers" "$DIR/megatron/core/datasets/"
+        echo "environment: copied megatron-core's prebuilt dataset helpers ($(basename "$helpers")) into the checkout"
+    else
+        echo "environment: no prebuilt dataset helpers; Megatron-LM builds them with make at start-up (pybind11 and python3-config needed)"
+    fi
+}
+
 if [ ${#todo[@]} -eq 0 ]; then
     echo "nothing to do: the fl-megatron series is applied to $DIR"
+    environment
     exit 0
 fi
 if [ $CHECK_ONLY -eq 1 ]; then
     echo "check only: ${#todo[@]} patch(es) would be applied to $DIR"
+    environment
     exit 0
 fi
 for patch in "${todo[@]}"; do
     gapply "$patch"
 done
-echo "applied ${#todo[@]} patch(es) to $DIR (fl-megatron must be importable there: pip install -e <fl-megatron checkout>)"
+echo "applied ${#todo[@]} patch(es) to $DIR"
+environment

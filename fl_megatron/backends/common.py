@@ -1,22 +1,25 @@
 """What every backend does alike: where initial values come from, and activation recomputation."""
 
 import math
-from typing import Protocol
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from ..config.model import ModelConfig
+from ..federation.contract import InitialValues  # noqa: F401 (the backends' constructors take one)
 from ..models import initial_rows
 
 
-class InitialValues(Protocol):
-    """The value a parameter starts from, row range by row range (fp32 on CPU)."""
+class SavesInTheForeground:
+    """`save_state_async` for a backend without a background writer: saves, then returns None."""
 
-    def rows(self, name: str, shape: tuple, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of dim 0 of parameter `name` (our naming) of full shape `shape`."""
-        ...
+    def save_state_async(self, directory: Path, write: bool) -> Optional[Future]:
+        self.save_state(directory, write)
+        return None
 
 
 class SeededValues:

@@ -22,12 +22,12 @@ from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
 from ..topology import MESH_DIM_NAMES
-from .common import InitialValues, own_singleton_group
+from .common import InitialValues, SavesInTheForeground, own_singleton_group
 from .megatron_cpu import compat_method, ensure_memory_buffer, install_cpu_rng_tracker
 from .megatron_model import build_gpt_model, quiet_import_megatron
 from .megatron_names import megatron_layout, megatron_tensor, our_sources, our_tensor
-from .megatron_state import MegatronShardFiles, main_shard_entries
-from .optimizer import state_tensors
+from .megatron_shards import MegatronMainShards
+from .megatron_state import MegatronShardFiles
 
 _SINGLETON_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd", "pos_embd",
                      "expt_dp", "intra_expt_dp")
@@ -62,7 +62,7 @@ def _sgd_over(param_groups: list[dict], lr: float, momentum: float) -> torch.opt
     return sgd
 
 
-class MegatronBackend:
+class MegatronBackend(SavesInTheForeground):
     """GPTModel + DDP + DistributedOptimizer over one federation group (see the module doc)."""
 
     @compat_method
@@ -115,6 +115,7 @@ class MegatronBackend:
             # this backend does not use): SGD steps the same fp32 main shards in the same groups
             for opt in self._dist_opts:
                 opt.optimizer = _sgd_over(opt.optimizer.param_groups, t.lr, t.sgd_momentum)
+        self.shards = MegatronMainShards(self._dist_opts, [self.ddp], self._param_names())
         if t.bf16:  # the main shards were cloned from bf16 parameters: give them the exact fp32 values
             self._set_main_from_full(initial_tensor)
         self.files = MegatronShardFiles(self._dist_opts, self._param_names())
@@ -136,11 +137,10 @@ class MegatronBackend:
     def _param_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.gpt.named_parameters()}
 
-    # --- the fp32 main shards -------------------------------------------------------------------
+    # --- the fp32 main shards: the engine's contract, served by MegatronMainShards --------------
     def _main_pairs(self):
         """(model parameter, its fp32 main shard, the shard's range in the flattened parameter)."""
-        for _, param, main, start, stop in main_shard_entries(self._dist_opts):
-            yield param, main, start, stop
+        return self.shards.entries()
 
     @torch.no_grad()
     def _set_main_from_full(self, full) -> None:
@@ -151,34 +151,26 @@ class MegatronBackend:
             main.copy_(full(names[id(param)]).reshape(-1)[start:stop])
         self.refresh_after_sync()
 
-    # --- the engine's contract ------------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
-        """The fp32 main shards the inner optimizer updates, in megatron's (deterministic) order."""
-        return [main for _, main, _, _ in self._main_pairs()]
+        return self.shards.local_shards()
 
     def named_shards(self) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter's (megatron) name with this rank's fp32 main shard of it (empty when
-        this rank holds none), in the model's order: per-tensor consensus metrics."""
-        mains = {id(param): main for param, main, _, _ in self._main_pairs()}
-        empty = torch.zeros(0, device=next(iter(mains.values())).device if mains else "cpu")
-        return [(name, mains.get(id(p), empty).reshape(-1)) for name, p in self.gpt.named_parameters()]
+        return self.shards.named_shards()
 
     def inner_state_shards(self) -> list[torch.Tensor]:
-        """Adam moments (or SGD momentum) of every fp32 main shard, in the main shards' order."""
-        return [t for opt in self._dist_opts
-                for t in state_tensors(opt.optimizer, [m for o, _, m, _, _ in main_shard_entries([opt])])]
+        return self.shards.inner_state_shards()
 
     def reset_optimizer_state(self) -> None:
-        """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
-        for opt in self._dist_opts:
-            opt.optimizer.state.clear()
+        self.shards.reset_optimizer_state()
 
-    @compat_method
+    def optimizer_transfer_state(self) -> list[torch.Tensor]:
+        return self.shards.optimizer_transfer_state()
+
+    def load_optimizer_transfer_state(self, tensors: list[torch.Tensor]) -> None:
+        self.shards.load_optimizer_transfer_state(tensors)
+
     def refresh_after_sync(self) -> None:
-        """Copy the main shards into the model parameters' buffer and all-gather it in the group."""
-        for opt in self._dist_opts:
-            opt._copy_main_params_to_model_params()
-        self.ddp.start_param_sync(force_sync=True)
+        self.shards.refresh_after_sync()
 
     # --- what the trainer needs -----------------------------------------------------------------
     @compat_method

@@ -48,7 +48,7 @@ def measure(views: list, groups, group: int, counts: bool, max_samples: int = MA
     rank of the job; collective over the peer and federation groups of `groups`, a
     ProcessGroups). `counts`: whether this rank's shards count (False on all but one replica of
     an HSDP shard, which holds the same values). `max_samples` 0: every element."""
-    num_groups, device_type = groups.layout.num_groups, groups.mesh.device_type
+    num_groups, device_type = groups.layout.num_groups, groups.device_type
     flats = [t.reshape(-1) for _, t in views]
     own = sum(f.numel() for f in flats)
     stride = math.ceil(own / max_samples) if 0 < max_samples < own else 1

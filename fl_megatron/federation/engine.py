@@ -148,7 +148,7 @@ class FederationEngine:
         layout, group = self.groups.layout, self.groups.coords[0]
         self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
                               self.config.sick_loss_ratio, self.groups.federation, self.groups.peer,
-                              self.groups.mesh.device_type, self._peer_call)
+                              self.groups.device_type, self._peer_call)
         sick = self.vote.sick
         left_out = set(sick) | set(self.vote.joining)
         contributors = sum(g not in left_out for g in membership.groups)
@@ -235,7 +235,7 @@ class FederationEngine:
         failed = latch.error  # a peer lost during the sync's collectives: the later ones were skipped
         sums = self._metric_sums(done.stats, done.shards if self.outers else None)
         agreed = torch.tensor([float(failed is not None), *sums], dtype=torch.float64,
-                              device=self.groups.mesh.device_type)
+                              device=self.groups.device_type)
         dist.all_reduce(agreed, group=self.groups.federation)
         if agreed[0] > 0:  # this rank's peers or a group mate's: the group votes the sync down
             self.groups.report_error(failed or RuntimeError(f"a rank of this group lost a peer in the sync of "
@@ -309,8 +309,7 @@ class FederationEngine:
 
     def _measure(self) -> Consensus:
         """DBench metrics of the shards as they are (before the sync moves anything)."""
-        views = self.backend.named_shards() if hasattr(self.backend, "named_shards") else \
-            [(f"shard.{i}", s) for i, s in enumerate(self.backend.local_shards())]
+        views = self.backend.named_shards()
         group, replica, _ = self.groups.coords
         return measure(views, self.groups, group, counts=replica == 0, max_samples=self.config.consensus_samples)
 
@@ -327,7 +326,7 @@ class FederationEngine:
         ring = wire_shards_per_sync("complete", groups)
         self.ledger.add("inter-group", self.averager.peer_tier, consensus.sample_bytes)
         wire = stats.inter_group_bytes * (ring if choice.graph == "complete" else 1.0) + consensus.sample_bytes * ring
-        per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.mesh.device_type)
+        per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.device_type)
         per_group[self.groups.coords[0]] = wire
         self.groups.all_reduce_job(per_group)
         consensus.group_bytes = [int(b) for b in per_group.tolist()]
@@ -351,8 +350,7 @@ class FederationEngine:
                 stats.inter_group_bytes += moved.inter_group_bytes
                 stats.intra_group_bytes += moved.intra_group_bytes
         elif policy == "reset" or sick:
-            if hasattr(self.backend, "reset_optimizer_state"):
-                self.backend.reset_optimizer_state()
+            self.backend.reset_optimizer_state()
 
     def close(self) -> None:
         if self.overlapper is not None:
@@ -406,7 +404,7 @@ class FederationEngine:
         outer optimizer the averaged values were pseudo-gradients (same variance across
         groups: the anchors are equal); the rms is then taken over the new shards."""
         totals = torch.tensor(self._metric_sums(stats, shards), dtype=torch.float64,
-                              device=self.groups.mesh.device_type)
+                              device=self.groups.device_type)
         self.groups.all_reduce_job(totals)
         return _variance_and_rms(totals)
 

@@ -31,6 +31,11 @@ class ProcessGroups:
     checkpoint: Optional[dist.ProcessGroup] = None
 
     @property
+    def device_type(self) -> str:
+        """Where this rank's collectives run their tensors ('cuda' or 'cpu')."""
+        return self.mesh.device_type
+
+    @property
     def coords(self) -> tuple[int, int, int]:
         """(federation group, replica index, shard index) of this rank."""
         return coords(self.layout, self.rank)

@@ -4,44 +4,84 @@ Layout arithmetic (Megatron-LM's own groups, nothing new): DP = world / (TP*PP*C
 ranks are cut into N = --num-distributed-optimizer-instances contiguous instances (megatron's
 "partial distributed optimizer"). A federation group is P = N / F consecutive instances: inside
 it gradients are reduce-scattered in each instance and all-reduced over its P replicas every step
-(P = 1: FL+FSDP, P > 1: FL+HSDP); across the F groups only the fp32 main shards are averaged,
-every H iterations.
+(P = 1: FL+FSDP, P > 1: FL+HSDP); across the F groups only the fp32 main shards are synced, every
+H iterations, by the same engine as `fl_megatron.pretrain`.
+
+Every `--fl-*` flag of `fl_megatron.pretrain` exists here with the same name, help and default
+(generated from `FederationConfig`); the few that cannot work inside one Megatron-LM job are
+refused with the reason (`REFUSED`).
 """
 
 import argparse
 import dataclasses
+import typing
 from typing import Callable, Optional
 
 from ..config.parallel import FederationConfig
+from ..graph_fit import topology_problem
 
 _DEFAULTS = FederationConfig()
-_HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(FederationConfig)}
-# args attribute -> FederationConfig field (their help texts and defaults are ours)
-_FIELDS = {"fl_sync_interval": "sync_interval", "fl_disable_sync": "disable_sync",
-           "fl_bucket_mb": "bucket_mb", "fl_replica_split": "replica_split"}
+_FIELDS = {f.name: f for f in dataclasses.fields(FederationConfig) if f.name != "num_groups"}
+_ELASTIC = ("elastic federation groups (each group its own job, meeting over torchft's quorum) are built for "
+            "fl_megatron.pretrain; in Megatron-LM every group is in one job, and a group that heals would need "
+            "megatron's distributed optimizer state sent between jobs, which is not built")
+# FederationConfig field -> why a patched Megatron-LM refuses it
+REFUSED = {
+    "group_size": "Megatron-LM's federation groups are made of its distributed-optimizer instances: set "
+                  "--num-distributed-optimizer-instances N and --fl-num-groups F (groups of world/F ranks)",
+    "hsdp_shard_size": "the shard group is one distributed-optimizer instance (DP/N ranks): set its size with "
+                       "--num-distributed-optimizer-instances N",
+    "sick_loss_ratio": "Megatron-LM's train_step averages the reported loss over every federation group (its "
+                       "data-parallel all-reduce), so no group's own loss reaches the vote (groups with NaN/Inf "
+                       "shards are still left out and reset)",
+    **{name: _ELASTIC for name in ("elastic", "lighthouse", "group_id", "min_groups", "sync_digest",
+                                   "quorum_timeout_minutes")},
+}
+
+
+def _flag(name: str) -> str:
+    return "--fl-" + name.replace("_", "-")
 
 
 def _help(name: str) -> str:
-    text = _HELP[name]
-    if "default" not in text:
+    text = _FIELDS[name].metadata.get("help", "")
+    if name in REFUSED:
+        text = f"refused in Megatron-LM: {REFUSED[name]}"
+    elif "default" not in text:
         text += f" (default: {getattr(_DEFAULTS, name)})"
     return text.replace("%", "%%")
 
 
+def _field_type(name: str):
+    hint = typing.get_type_hints(FederationConfig)[name]
+    return next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+
+
 def add_federation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the fl-megatron group to Megatron-LM's parser (an `extra_args_provider`)."""
-    group = parser.add_argument_group("fl-megatron", "federated outer loop: FedAvg of the distributed "
-                                      "optimizer's fp32 shards across federation groups")
+    """Add the fl-megatron group to Megatron-LM's parser (an `extra_args_provider`). Every
+    default is None, so that validation knows which flags were given."""
+    group = parser.add_argument_group("fl-megatron", "federated outer loop: the distributed optimizer's fp32 "
+                                      "shards synced across federation groups (fl_megatron's engine)")
     group.add_argument("--fl-num-groups", type=int, default=None, metavar="F",
                        help="number of federation groups F; F divides --num-distributed-optimizer-instances "
                             "N (P = N/F replicas per group: P=1 FL+FSDP, P>1 FL+HSDP). Default: N when any "
                             "--fl-* flag is given, else 1 (Megatron-LM runs unchanged)")
-    group.add_argument("--fl-sync-interval", type=int, default=None, metavar="H", help=_help("sync_interval"))
-    group.add_argument("--fl-disable-sync", action="store_true", default=None, help=_help("disable_sync"))
-    group.add_argument("--fl-bucket-mb", type=float, default=None, metavar="MB", help=_help("bucket_mb"))
-    group.add_argument("--no-fl-replica-split", dest="fl_replica_split", action="store_false", default=None,
-                       help=_HELP["replica_split"].replace("%", "%%"))
+    for name in _FIELDS:
+        kind = _field_type(name)
+        dest = "fl_" + name
+        if kind is bool:
+            group.add_argument(_flag(name), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=_help(name))
+        else:
+            group.add_argument(_flag(name), dest=dest, type=kind, default=None, metavar=kind.__name__.upper(),
+                               help=_help(name))
     return parser
+
+
+def federation_config(args) -> FederationConfig:
+    """The engine's settings from resolved Megatron-LM args (after `validate_federation_args`)."""
+    return FederationConfig(num_groups=args.fl_num_groups,
+                            **{name: getattr(args, "fl_" + name) for name in _FIELDS if name not in REFUSED})
 
 
 def compose_args_providers(*providers: Optional[Callable]) -> Callable:
@@ -84,7 +124,7 @@ def federation_group_ranks(args, group: int) -> list[int]:
 
 
 def _given(args) -> bool:
-    return any(getattr(args, a, None) is not None for a in ("fl_num_groups", *_FIELDS))
+    return any(getattr(args, "fl_" + name, None) is not None for name in ("num_groups", *_FIELDS))
 
 
 def _layout_errors(args, f: int, n: int) -> list[str]:
@@ -147,6 +187,28 @@ def _flag_errors(args, h: int, syncing: bool) -> list[str]:
     return errors
 
 
+def _engine_errors(args, f: int) -> list[str]:
+    """The engine's own checks of the --fl-* values (the same as fl_megatron.pretrain's), the
+    refused flags, and what a Megatron-LM checkpoint cannot carry."""
+    errors = [f"{_flag(name)}: {why}" for name, why in REFUSED.items() if getattr(args, "fl_" + name, None) is not None]
+    fed = federation_config(args)
+    try:
+        fed.validate()
+    except ValueError as e:
+        errors.append(str(e))
+        return errors
+    if fed.syncing and f > 1:
+        for name in [fed.topology] + (fed.ada_ladder if fed.topology == "ada" else []):
+            problem = topology_problem(name, f) if name != "none" else None
+            if problem:
+                errors.append(problem)
+    if getattr(args, "non_persistent_save_interval", None) and (not fed.plain_average or fed.fragments > 1):
+        errors.append("--non-persistent-save-interval: the outer optimizer's state, error-feedback residuals and "
+                      "fragment schedule are saved beside Megatron-LM's persistent checkpoints only (drop it, or "
+                      "use the plain fp32 FedAvg)")
+    return errors
+
+
 def validate_federation_args(args) -> list[str]:
     """Resolve the --fl-* defaults into `args` and check them against Megatron-LM's flags.
 
@@ -159,21 +221,18 @@ def validate_federation_args(args) -> list[str]:
     explicit = getattr(args, "fl_num_groups", None) is not None
     if not explicit:
         args.fl_num_groups = n if given else 1
-    for attr, name in _FIELDS.items():
-        if getattr(args, attr, None) is None:
-            setattr(args, attr, getattr(_DEFAULTS, name))
+    for name in _FIELDS:
+        if name not in REFUSED and getattr(args, "fl_" + name, None) is None:
+            setattr(args, "fl_" + name, getattr(_DEFAULTS, name))
     f, h = args.fl_num_groups, args.fl_sync_interval
     syncing = h > 0 and not args.fl_disable_sync
     errors, warnings = [], []
     if f < 1:
         errors.append(f"--fl-num-groups {f} must be at least 1")
-    if h < 0:
-        errors.append(f"--fl-sync-interval {h} must be >= 0 (0 disables syncing)")
-    if args.fl_bucket_mb <= 0:
-        errors.append(f"--fl-bucket-mb {args.fl_bucket_mb} must be positive")
     if not errors and f == 1 and given and not explicit:
         errors.append("--fl-* flags were given but --num-distributed-optimizer-instances is 1, so there is a "
                       "single federation group; set it to N = F*P (e.g. 2 for 2 groups)")
+    errors += _engine_errors(args, f)
     if not errors and f > 1:
         errors += _layout_errors(args, f, n)
         errors += _flag_errors(args, h, syncing)

@@ -16,24 +16,63 @@ each bucket's gradient scaling becomes 1/(instance size * P) instead of 1/(N * i
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
+from ..federation.groups import ProcessGroups
+from ..topology import Layout, federation_groups, peer_groups, replica_groups
+
 
 @dataclass
-class FederationGroups:
-    """This rank's place in the federation."""
+class MegatronLMGroups(ProcessGroups):
+    """This rank's place in the federation, as the engine sees it (`ProcessGroups` without a
+    device mesh: the groups are carved out of megatron's own, so no shard-group communicator is
+    made twice). The layout is (F groups, P replicas, S = world/(F*P) ranks of one instance,
+    tensor and pipeline ranks included); megatron's groups are checked to match it."""
 
-    num_groups: int                  # F
-    replicas: int                    # P (replicas per federation group)
-    group_index: int                 # f: this rank's federation group
-    replica_index: int               # p: this rank's instance inside its federation group
-    peer_group: object               # size F: same shard position in every federation group
-    replica_group: Optional[object]  # size P: the replicas of this shard in this group (None if P = 1)
-    peer_ranks: list
-    replica_ranks: list
+    peer_group: Optional[dist.ProcessGroup] = None     # size F: same shard position in every group
+    replica_group: Optional[dist.ProcessGroup] = None  # size P: this shard's replicas in this group
+    device: str = "cpu"
+
+    @property
+    def peer(self) -> dist.ProcessGroup:
+        return self.peer_group
+
+    @property
+    def replica(self) -> Optional[dist.ProcessGroup]:
+        return self.replica_group
+
+    @property
+    def device_type(self) -> str:
+        return self.device
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
+
+    @property
+    def group_index(self) -> int:
+        return self.coords[0]
+
+    @property
+    def replica_index(self) -> int:
+        return self.coords[1]
+
+    @property
+    def peer_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.peer_group)
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.replica_group) if self.replica_group else [self.rank]
 
 
 def _instance_index() -> int:
@@ -45,9 +84,32 @@ def _instance_index() -> int:
     return rank // size
 
 
-def build_federation_groups(num_groups: int) -> FederationGroups:
-    """Split megatron's inter-instance groups into replica and peer groups (collective: every
-    rank creates every group, in the same order)."""
+def _layout(world: int, num_groups: int, replicas: int) -> Layout:
+    """The (F, P, S) layout; nodes of LOCAL_WORLD_SIZE ranks (torchrun's) where they tile it,
+    else one node (then every group reports its tier as intra-node)."""
+    group = world // num_groups
+    per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world)
+    try:
+        return Layout(world, per_node, group, group // replicas)
+    except ValueError:
+        return Layout(world, world, group, group // replicas)
+
+
+def _checked(name: str, megatron_lists: set, expected: list) -> list[list[int]]:
+    """Megatron's rank lists of one kind, which must be the layout's (same order on every rank)."""
+    found = sorted(map(sorted, megatron_lists))
+    if found != sorted(expected):
+        raise RuntimeError(f"megatron's {name} groups {found} are not the blocks fl-megatron expects {expected}: "
+                           "federation groups must be consecutive ranks (with PP > 1 add --use-tp-pp-dp-mapping)")
+    return expected
+
+
+def build_federation_groups(num_groups: int, exchange: bool = False, device_type: str = "cpu",
+                            timeout: Optional[timedelta] = None) -> MegatronLMGroups:
+    """Split megatron's inter-instance groups into replica and peer groups, and make the group of
+    each federation group's ranks (collective: every rank creates every group, in the same
+    order). `exchange`: also the peer and replica groups of a sync in flight (--fl-overlap-steps),
+    communicators never used by the training thread."""
     from megatron.core import parallel_state as ps
 
     inter = ps.get_inter_distributed_optimizer_instance_group()
@@ -67,19 +129,26 @@ def build_federation_groups(num_groups: int) -> FederationGroups:
                                f"of the {n} instances (instances {[instance[r] for r in ordered]})")
         replica_lists.update(tuple(sorted(ordered[f * replicas:(f + 1) * replicas])) for f in range(num_groups))
         peer_lists.update(tuple(sorted(ordered[p::replicas])) for p in range(replicas))
-    peer_group, _ = dist.new_subgroups_by_enumeration(sorted(map(list, peer_lists)))
-    replica_group = None
-    if replicas > 1:
-        replica_group, _ = dist.new_subgroups_by_enumeration(sorted(map(list, replica_lists)))
-    own = instance[dist.get_rank()]
-    groups = FederationGroups(
-        num_groups=num_groups, replicas=replicas, group_index=own // replicas, replica_index=own % replicas,
-        peer_group=peer_group, replica_group=replica_group,
-        peer_ranks=dist.get_process_group_ranks(peer_group),
-        replica_ranks=dist.get_process_group_ranks(replica_group) if replica_group else [dist.get_rank()])
-    if replica_group is not None and dist.get_rank(replica_group) != groups.replica_index:
-        raise RuntimeError(f"rank {dist.get_rank()} is replica {groups.replica_index} of its federation group but "
-                           f"rank {dist.get_rank(replica_group)} of the replica group {groups.replica_ranks}")
+    federation_lists = {tuple(r for r, idx in instance.items() if idx // replicas == f) for f in range(num_groups)}
+    layout = _layout(len(everyone), num_groups, replicas)
+    peers = _checked("peer", peer_lists, peer_groups(layout))
+    replica_sets = _checked("replica", replica_lists, replica_groups(layout))
+    members = _checked("federation", federation_lists, federation_groups(layout))
+
+    def subgroups(lists):
+        return dist.new_subgroups_by_enumeration(lists, timeout=timeout)[0]
+
+    peer_group = subgroups(peers)
+    replica_group = subgroups(replica_sets) if replicas > 1 else None
+    federation = subgroups(members)
+    exchange_peer = subgroups(peers) if exchange else None
+    exchange_replica = subgroups(replica_sets) if exchange and replicas > 1 else None
+    groups = MegatronLMGroups(layout=layout, rank=dist.get_rank(), mesh=None, shard_mesh=None, federation=federation,
+                              exchange_peer=exchange_peer, exchange_replica=exchange_replica,
+                              peer_group=peer_group, replica_group=replica_group, device=device_type)
+    if instance[groups.rank] != groups.group_index * replicas + groups.replica_index:
+        raise RuntimeError(f"rank {groups.rank} is in distributed-optimizer instance {instance[groups.rank]} but at "
+                           f"(group {groups.group_index}, replica {groups.replica_index}) of the layout")
     return groups
 
 
@@ -87,7 +156,7 @@ def _bucket_groups(chunk) -> list:
     return list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
 
 
-def gate_gradient_reduction(model_chunks: list, groups: FederationGroups) -> None:
+def gate_gradient_reduction(model_chunks: list, groups: MegatronLMGroups) -> None:
     """Make every DDP chunk reduce gradients inside the federation group only (see the module
     docstring). Idempotent; checks that the chunks were built with N = F*P instances."""
     n = groups.num_groups * groups.replicas

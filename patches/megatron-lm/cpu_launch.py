@@ -53,6 +53,11 @@ def _pretend_cuda() -> None:
     cuda.reset_peak_memory_stats = lambda *a, **kw: None
     cuda.current_stream = cuda.default_stream = lambda *a, **kw: cuda.Stream()  # inert under cpu_compat()
     cuda.get_rng_state = lambda *a, **kw: torch.get_rng_state()
+    # validate_args asks for the GPU generation with TP or CP > 1 (get_device_arch_version): answer
+    # an Ampere-like sm_80, whose rules (CUDA_DEVICE_MAX_CONNECTIONS=1 with TP) are the strictest
+    cuda.get_device_properties = lambda *a, **kw: types.SimpleNamespace(
+        name="CPU (cpu_launch.py)", major=8, minor=0, total_memory=0, multi_processor_count=1)
+    cuda.get_device_capability = lambda *a, **kw: (8, 0)
     cuda.set_rng_state = lambda *a, **kw: None
 
     import megatron.core.tensor_parallel as tp
@@ -71,6 +76,45 @@ def _pretend_cuda() -> None:
     megatron_random.model_parallel_cuda_manual_seed = seed_on_cpu
     if getattr(tp, "model_parallel_cuda_manual_seed", None) is original:
         tp.model_parallel_cuda_manual_seed = seed_on_cpu
+
+
+def _optimizer_state_before_the_first_step() -> None:
+    """Two fixes of megatron's checkpoint load on torch's Adam (no Apex, no Transformer Engine:
+    the CPU case). First, loading a checkpoint builds the distributed optimizer's state dict before any step. Without
+    Apex or Transformer Engine (CPU) megatron reads Adam's 'step' from the inner state there,
+    which torch's Adam creates only at its first step, and fails (`assert len(steps) == 1`). Give
+    it the zero state megatron's own init_state_fn makes, with step 0; the load overwrites it."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.state_dict
+
+    def state_dict(self):
+        inner = self.optimizer
+        if not inner.state and getattr(self, "init_state_fn", None) is not None:
+            self.init_state_fn(inner, self.config)
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    inner.state[param]["step"] = torch.tensor(0.0)
+        return original(self)
+
+    DistributedOptimizer.state_dict = state_dict
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        """Without Apex or TE, megatron keeps Adam's step count in the param groups of its
+        checkpoint; its distributed load leaves torch's per-parameter 'step' at what the state
+        held before (one tensor shared by all): set each to the loaded count, a tensor of its own."""
+        original_load(self, state_dict)
+        for group in self.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = self.optimizer.state.get(param)
+                if state:
+                    state["step"] = torch.tensor(float(group["step"]))
+
+    DistributedOptimizer.load_state_dict = load_state_dict
 
 
 def _spawn_children_from_here(script: str) -> None:
@@ -108,6 +152,7 @@ def main() -> None:
 
     with cpu_compat():
         _pretend_cuda()
+        _optimizer_state_before_the_first_step()
         runpy.run_path(script, run_name="__main__")
 
 
