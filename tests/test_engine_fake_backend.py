@@ -28,6 +28,15 @@ class FakeBackend:
         self.calls.append("local_shards")
         return self.shards
 
+    def named_shards(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"shard.{i}", s.view(-1)) for i, s in enumerate(self.shards)]
+
+    def inner_state_shards(self) -> list[torch.Tensor]:
+        return []
+
+    def reset_optimizer_state(self) -> None:
+        self.calls.append("reset")
+
     def refresh_after_sync(self) -> None:
         self.calls.append("refresh")
 
@@ -37,7 +46,7 @@ def _groups(world, rank: int = 0):
     layout = make_layout(2, ranks_per_node=1, group_size=1)
     return SimpleNamespace(layout=layout, coords=(rank, 0, 0), rank=rank, peer=world, replica=None, federation=world,
                            exchange_peer=None, may_roll_back=False, meet=lambda: whole_federation(2, rank),
-                           tier=lambda kind: "inter-node", mesh=SimpleNamespace(device_type="cpu"),
+                           tier=lambda kind: "inter-node", device_type="cpu",
                            all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
 
 

@@ -21,7 +21,7 @@ from ..config.deepspeed_json import engine_config
 from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
-from .common import InitialValues, flat_elements, own_singleton_group, wrap_blocks_for_recompute
+from .common import InitialValues, SavesInTheForeground, flat_elements, own_singleton_group, wrap_blocks_for_recompute
 from .deepspeed_checks import within_group
 from .pickle_guard import check_deepspeed_dir
 from .optimizer import (build_optimizer, load_transfer_state_tensors, parameter_groups, set_learning_rate,
@@ -93,7 +93,7 @@ class GroupMpu:
     get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(SavesInTheForeground):
     """A DeepSpeed engine (ZeRO stage 3) over this rank's shard group, initialised from the
     sharding-independent seeded weights; FL+HSDP adds a replica all-reduce of the gradients."""
 

@@ -93,6 +93,10 @@ class FSDP2Backend:
         self._materialise(model, initial)
         self.model = model
         self.optimizer = build_optimizer(model.named_parameters(), t)
+        # the sharded parameters the optimizer holds: after a forward without a backward (an
+        # evaluation) FSDP2 leaves the root module's parameters unsharded, and model.parameters()
+        # then yields those instead (no optimizer state, the whole tensor as "local")
+        self._sharded = list(model.named_parameters())
         self.clip_grad = t.clip_grad
 
     @staticmethod
@@ -176,11 +180,11 @@ class FSDP2Backend:
     def named_shards(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter's name with this rank's fp32 shard of it (possibly empty), in the
         model's order (the same on every rank): per-tensor consensus metrics."""
-        return [(name, p.to_local().reshape(-1)) for name, p in self.model.named_parameters()]
+        return [(name, p.to_local().reshape(-1)) for name, p in self._sharded]
 
     def inner_state_shards(self) -> list[torch.Tensor]:
         """AdamW moments / SGD momentum of every parameter's local shard, parameter by parameter."""
-        return state_tensors(self.optimizer, list(self.model.parameters()), _local)
+        return state_tensors(self.optimizer, [p for _, p in self._sharded], _local)
 
     def reset_optimizer_state(self) -> None:
         """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
@@ -188,11 +192,11 @@ class FSDP2Backend:
 
     def optimizer_transfer_state(self) -> list[torch.Tensor]:
         """This rank's whole inner optimizer state (moments and step counts) for a healing peer."""
-        return transfer_state_tensors(self.optimizer, list(self.model.parameters()), _local)
+        return transfer_state_tensors(self.optimizer, [p for _, p in self._sharded], _local)
 
     def load_optimizer_transfer_state(self, tensors: list[torch.Tensor]) -> None:
         """Take a peer rank's `optimizer_transfer_state` (a group healing in elastic mode)."""
-        load_transfer_state_tensors(self.optimizer, list(self.model.parameters()),
+        load_transfer_state_tensors(self.optimizer, [p for _, p in self._sharded],
                                     [t.to(self.device) for t in tensors], _local)
 
     def refresh_after_sync(self) -> None:
