@@ -20,7 +20,7 @@ from ..file_modes import save_safetensors
 from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
 from ..federation.failed_collective import is_failed_collective
-from .initial import resume_source
+from .resume import resume_source
 from .metadata import build_metadata, find_checkpoint, manifest, source_groups
 from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_file, prune, publish, read_tracker,
                     rng_file, staging_dir, write_text_durably)

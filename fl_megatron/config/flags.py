@@ -125,7 +125,7 @@ def load_json(path: str) -> dict:
 def config_from_sources(json_data: Optional[dict], flags: dict, preset: Optional[str] = None,
                         where: str = "config") -> RunConfig:
     """Merge defaults, a preset, JSON sections and flag values (`section.field` keys) into a RunConfig."""
-    from ..models import get_preset
+    from .presets import get_preset
 
     json_data = dict(json_data or {})
     model_json = dict(json_data.get("model") or {})

@@ -7,7 +7,7 @@ from ..config.model import ModelConfig
 from .gpt import GPT
 from .init import init_model_, initial_rows, initial_value, parameter_kind
 from .llama import Llama
-from .presets import PRESETS, get_preset
+from ..config.presets import PRESETS, get_preset
 
 _FAMILIES = {"llama": Llama, "gpt": GPT}
 

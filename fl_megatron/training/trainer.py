@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ..backends import make_backend
-from ..checkpoint import Checkpointer, initial_values_for
+from ..checkpoint import Checkpointer
+from .initial_values import initial_values_for
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
 from ..data import eval_batches

@@ -3,7 +3,7 @@
 import dataclasses
 from types import MappingProxyType
 
-from ..config.model import ModelConfig
+from .model import ModelConfig
 
 _LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
                      rope_high_freq_factor=4.0, rope_original_max_position=8192,

@@ -1,10 +1,8 @@
-"""Where a run's weights start: the seeded initialisation, or a Hugging Face directory."""
+"""Which checkpoint `--load` resumes from."""
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from ..backends.common import InitialValues, SeededValues
-from ..config.resolved import ResolvedRun
 from ..config.checkpoint import CheckpointConfig
 from .paths import TRACKER, iteration_number, published_iterations, read_tracker
 
@@ -38,21 +36,3 @@ def resume_source(options: CheckpointConfig) -> Optional[tuple[Path, int]]:
         raise ValueError(f"--load {path} holds checkpoints of iterations {', '.join(map(str, have))} but no "
                          f"{TRACKER} naming the latest: give --load-iteration N (or --load {path}/iter_NNNNNNN)")
     return None
-
-
-def will_resume(run: ResolvedRun) -> bool:
-    """Whether --load finds a checkpoint to resume."""
-    return resume_source(run.cfg.checkpoint) is not None
-
-
-def initial_values_for(run: ResolvedRun, say: Optional[Callable[[str], None]] = None) -> InitialValues:
-    """Hugging Face weights for --init-from-hf (unless a checkpoint will replace them anyway),
-    else the seeded initialisation."""
-    source = run.cfg.checkpoint.init_from_hf
-    if source and not will_resume(run):
-        from ..convert.hf_init import HFValues
-
-        if say:
-            say(f"  initial weights from the Hugging Face directory {source}")
-        return HFValues(source, run.cfg.model)
-    return SeededValues(run.cfg.model, run.cfg.training.seed)
