@@ -13,7 +13,7 @@ export FL_MEGATRON_DEVICE ?= cpu
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-deepspeed demo-elastic test test-heavy bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
+.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy lint bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -65,8 +65,12 @@ demo-elastic: $(VENV)/.elastic
 	OMP_NUM_THREADS=1 $(BIN)/python tools/elastic_launch.py --groups 3 --ranks-per-group 2 --min-groups 2 \
 		-- --config examples/demo.json --run-dir runs/demo-elastic $(ARGS)
 
-test: $(VENV)/.test-extras
+# ruff first (ruff.toml: pyflakes, pycodestyle, bugbear): seconds, and a lint error stops the run
+test: $(VENV)/.test-extras lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)
+
+lint: $(VENV)/.test-extras
+	$(BIN)/ruff check .
 
 # The slow end-to-end variants make test leaves out (pytest -m heavy): elastic kills with int8 +
 # error feedback + nesterov and with FL+HSDP, a peer lost mid-sync with FL+HSDP, the elastic resume.

@@ -58,7 +58,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
                 except queue_module.Empty:
                     dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                     if dead and not errors:
-                        raise RuntimeError(f"rank process died with exit code {dead[0].exitcode}")
+                        raise RuntimeError(f"rank process died with exit code {dead[0].exitcode}") from None
                     continue
                 if status == "ok":
                     results[rank] = payload

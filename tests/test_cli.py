@@ -4,10 +4,9 @@ import importlib.util
 import json
 
 import pytest
+from cli_utils import SGD, run_pretrain
 
 pytestmark = pytest.mark.timeout(900)
-
-from cli_utils import SGD, run_pretrain
 
 
 def test_fl_fsdp_losses_equal_fsdp_through_the_command_line(tmp_path):

@@ -207,7 +207,7 @@ def _indexed(tmp_path, name="data", docs=40):
 
     prefix = tmp_path / name
     with IndexedDatasetWriter(prefix, np.uint16) as w:
-        for d in range(docs):
+        for _ in range(docs):
             w.add_document(np.arange(300) % 500)
     return str(prefix)
 

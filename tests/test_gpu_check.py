@@ -4,10 +4,8 @@ run accepts (so a lent GPU's few minutes are not lost to a typo in a flag)."""
 
 import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -173,7 +173,7 @@ def test_import_rows_reads_only_those_rows(case):
         for name, start, stop in ROW_RANGES[cfg.arch]:
             reads = []
 
-            def read_slice(hf_name, dim, a, b):
+            def read_slice(hf_name, dim, a, b, reads=reads):
                 reads.append(b - a)
                 return src.read_slice(hf_name, dim, a, b)
 

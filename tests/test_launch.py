@@ -72,12 +72,12 @@ def test_device_choice_one_gpu_per_rank_or_cpu(monkeypatch):
     monkeypatch.setenv("FL_MEGATRON_DEVICE", "auto")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="local rank 1 has no GPU of its own: this node has 1 and 4 ranks"):
-        env.device
+        _ = env.device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert env.device == torch.device("cpu")
     monkeypatch.setenv("FL_MEGATRON_DEVICE", "cuda")
     with pytest.raises(ValueError, match="torch sees no GPU"):
-        env.device
+        _ = env.device
     monkeypatch.setenv("FL_MEGATRON_DEVICE", "gpu")
     with pytest.raises(ValueError, match="is not one of auto, cpu, cuda"):
-        env.device
+        _ = env.device

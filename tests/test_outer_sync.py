@@ -124,7 +124,7 @@ def _peers_equal(trainer) -> bool:
 
 def test_outer_optimizers_and_compressed_sync(tmp_path):
     results = run_ranks(4, _outer_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["fedavg1_vs_plain"] == 0.0, r
         assert max(r["nesterov_vs_reference"]) <= 1e-6, r
         assert r["outer_state_bytes"] == 2 * r["shard_bytes"]  # anchor + momentum: one fp32 shard each
@@ -167,7 +167,7 @@ def _sick_job(rank, world, tmp, cache):
 
 def test_a_sick_group_is_left_out_and_reset_to_the_others_average(tmp_path):
     results = run_ranks(4, _sick_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["sick_has_nan"] and r["sick_groups"] == [3], r
         assert r["vs_healthy_mean"] <= 1e-6, r
         assert r["finite_after"], r

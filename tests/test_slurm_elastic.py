@@ -59,9 +59,9 @@ def calls(path: Path) -> list:
     out = []
     for block in path.read_text().split("call\n")[1:]:
         lines = block.splitlines()
-        out.append(([l[4:] for l in lines if l.startswith("arg ")],
-                    dict(l[4:].split("=", 1) for l in lines if l.startswith("env ")),
-                    [l[5:] for l in lines if l.startswith("port ")]))
+        out.append(([line[4:] for line in lines if line.startswith("arg ")],
+                    dict(line[4:].split("=", 1) for line in lines if line.startswith("env ")),
+                    [line[5:] for line in lines if line.startswith("port ")]))
     return out
 
 

@@ -88,7 +88,8 @@ def stats(values: list[float]) -> dict:
 
 
 def markdown(results: list[dict], table: dict) -> str:
-    lines = ["| layout | seeds | tokens | eval perplexity mean | std | min | max |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| layout | seeds | tokens | eval perplexity mean | std | min | max |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in table.items():
         tokens = next(r["tokens"] for r in results if r["layout"] == name)
         lines.append(f"| {name} | {s['n']} | {tokens:,} | {s['mean']:.2f} | {s['std']:.2f} | {s['min']:.2f} | {s['max']:.2f} |")

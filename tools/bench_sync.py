@@ -95,12 +95,12 @@ def sync_job(rank, world, args, backend_name, group_size, shard_size):
     for i in range(args.warmup + args.repeats):
         for split, engine in engines.items():
             holder = {}
-            t = _timed(lambda: holder.setdefault("r", engine.sync(i + 1)))
+            t = _timed(lambda holder=holder, engine=engine, i=i: holder.setdefault("r", engine.sync(i + 1)))
             payload[f"sync_split={split}"] = holder["r"].inter_group_bytes
             if i >= args.warmup:
                 times[f"sync_split={split}"].append(t)
         for name, buf in bare.items():
-            t = _timed(lambda: dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=groups.peer))
+            t = _timed(lambda buf=buf: dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=groups.peer))
             if i >= args.warmup:
                 times[f"bare_{name}"].append(t)
         for name, fn in rounds.items():
@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     params = count_parameters(model_config(args))
     print(f"model: llama, {args.num_layers} layers, hidden {args.hidden_size}, {params:,} parameters "
-          f"({params * 4 / 2**20:.1f} MiB fp32), {'bf16' if args.bf16 else 'fp32'} compute; 4 CPU ranks on gloo, {os.cpu_count()} cores", flush=True)
+          f"({params * 4 / 2**20:.1f} MiB fp32), {'bf16' if args.bf16 else 'fp32'} compute; "
+          f"4 CPU ranks on gloo, {os.cpu_count()} cores", flush=True)
     results = {"parameters": params}
 
     if args.only != "memory":

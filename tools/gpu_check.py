@@ -13,7 +13,6 @@ job on its own GPU: NCCL takes one GPU per rank of the groups' exchange).
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -52,7 +51,8 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def _failed(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-1][:200] if (proc.stderr or proc.stdout).strip() else ''}"
+    text = (proc.stderr or proc.stdout).strip()
+    return f"exit {proc.returncode}: {text.splitlines()[-1][:200] if text else ''}"
 
 
 def backend_step(backend: str) -> Callable[[Path, int], str]:

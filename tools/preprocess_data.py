@@ -63,7 +63,7 @@ def parse_args(argv=None):
     for flag, kwargs, why in _UNSUPPORTED:
         g.add_argument(flag, help=f"not supported: {why}", **kwargs)
     args = p.parse_args(argv)
-    for flag, kwargs, why in _UNSUPPORTED:
+    for flag, _, why in _UNSUPPORTED:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value not in (None, False):
             p.error(f"{flag} is not supported ({why})")

@@ -22,8 +22,8 @@ class CheckpointConfig:
                                         "same), or from the one it names if it is an iter_NNNNNNN directory"})
     load_iteration: Optional[int] = field(
         default=None, metadata={"help": "resume from this iteration's checkpoint under --load instead of the latest"})
-    load_optim: bool = field(default=True, metadata={"help": "restore optimizer states when loading "
-                                                             "(--no-load-optim: weights, schedule position and data position only)"})
+    load_optim: bool = field(default=True, metadata={
+        "help": "restore optimizer states when loading (--no-load-optim: weights, schedule position and data position only)"})
     async_save: bool = field(
         default=False, metadata={"help": "fsdp2: write checkpoints in the background (torch.distributed.checkpoint's "
                                          "async_save): training goes on once the state is copied to host memory, and "

@@ -126,8 +126,9 @@ def dry_run_report(run: ResolvedRun) -> str:
                                       outer_state_shards=fed.outer_state_shards if fed.syncing and layout.is_federated else 0,
                                       # megatron-core's local layer spec attends unfused: it stores the s x s scores
                                       flash_attention=cfg.parallel.backend != "megatron",
-                                      sync_buffer_bytes=sync_buffer_bytes(min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
-                                                                          fed.sync_dtype != "fp32")
+                                      sync_buffer_bytes=sync_buffer_bytes(
+                                          min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
+                                          fed.sync_dtype != "fp32")
                                       if fed.syncing and layout.is_federated else 0)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"

@@ -31,7 +31,8 @@ def table_rows(results: list[dict], baseline_key: str = "fsdp") -> list[dict]:
 
 
 def markdown(rows: list[dict], baseline_label: str) -> str:
-    head = ("| row | tokens/s (range of repeats) | x " + baseline_label + " | predicted tokens/s | inter-node MB (counters) | predicted MB "
+    head = ("| row | tokens/s (range of repeats) | x " + baseline_label
+            + " | predicted tokens/s | inter-node MB (counters) | predicted MB "
             "| err | s/step | predicted s/step | err | inter-group payload MB | eval loss | peak MiB/rank |")
     lines = [head, "|" + " --- |" * 13]
     for r in rows:

@@ -102,8 +102,8 @@ def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequen
     """The lighthouse command and one torchrun command per replica group.
 
     prefixes / advertise_hosts / master_ports: one per group (default: no prefix, 127.0.0.1,
-    free loopback ports; master_ports go unused with max_restarts). lighthouse_addr: host:port the groups connect to (default 127.0.0.1 and
-    a free port); lighthouse_bind: what it listens on (default lighthouse_addr).
+    free loopback ports; master_ports go unused with max_restarts). lighthouse_addr: host:port the
+    groups connect to (default 127.0.0.1 and a free port); lighthouse_bind: what it listens on (default lighthouse_addr).
     Failures: min_replicas (default all groups) is the lighthouse's --min_replicas and the
     workers' --min-replicas, the groups a sync needs; max_restarts is torchrun's --max-restarts of
     each group (a restarted group heals from the live ones, torchft_train.rejoin);
