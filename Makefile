@@ -40,6 +40,19 @@ demo: $(VENV)/.package $(if $(DEMO_MEGATRON),$(VENV)/.megatron)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_RANKS) \
 		-m fl_megatron.pretrain --config examples/demo.json $(if $(DEMO_MEGATRON),--run-dir runs/demo-megatron) $(ARGS)
 
+# The demo's model, exported to Hugging Face format (runs/demo/ckpt-hf, replaced each time) and
+# asked to continue a prompt with transformers: run `make demo` first.
+demo-hf: $(VENV)/.hf
+	@test -f runs/demo/ckpt/latest_checkpointed_iteration.txt || \
+		{ echo "demo-hf: runs/demo/ckpt holds no checkpoint: run make demo first" >&2; exit 1; }
+	rm -rf runs/demo/ckpt-hf
+	$(BIN)/python tools/convert_checkpoint_to_hf.py --checkpoint runs/demo/ckpt --output runs/demo/ckpt-hf
+	$(BIN)/python tools/generate_hf.py runs/demo/ckpt-hf --prompt "$(or $(PROMPT),def read(self, path):)"
+
+$(VENV)/.hf: setup.py $(VENV)/.package
+	$(BIN)/python -m pip install -q -e ".[hf]"
+	touch $@
+
 $(VENV)/.megatron: setup.py $(VENV)/.package
 	$(BIN)/python -m pip install -q -e ".[megatron]"
 	touch $@

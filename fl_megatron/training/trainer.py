@@ -506,9 +506,18 @@ class Trainer:
             + (f", eval loss {summary['eval_loss']:.4f} (perplexity {summary['eval_perplexity']:.2f})"
                if final_eval else "")
             + f"\n  bytes per rank: intra-group {snapshot['intra_group_bytes'] / 2**20:,.1f} MiB, "
-              f"inter-group {snapshot['inter_group_bytes'] / 2**20:,.1f} MiB; summary in {self.files.dir / 'summary.json'}",
-            self.is_writer)
+              f"inter-group {snapshot['inter_group_bytes'] / 2**20:,.1f} MiB; summary in {self.files.dir / 'summary.json'}"
+            + self._export_hint(), self.is_writer)
         return summary
+
+    def _export_hint(self) -> str:
+        """The command that turns the last checkpoint into a Hugging Face directory (with --save)."""
+        save = self.cfg.checkpoint.save
+        if not save or self.elastic:
+            return ""
+        out = str(save).rstrip("/") + "-hf"
+        return (f"\n  Hugging Face export of the groups' average: python tools/convert_checkpoint_to_hf.py "
+                f"--checkpoint {save} --output {out}")
 
     def close(self) -> None:
         self.engine.close()
