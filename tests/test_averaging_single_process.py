@@ -1,4 +1,5 @@
-"""ShardAverager on a 1-rank gloo group (averaging over one member is the identity), and sync_due."""
+"""ShardAverager across 2 groups (2 processes) against the closed-form mean, its argument checks on
+a 1-rank gloo group, and sync_due."""
 
 import math
 import random
@@ -19,53 +20,89 @@ def _shards(dtype, seed=0, shapes=SHAPES):
     return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("bucket_bytes", [1, 4, 16, 40, 100, 256, 1 << 20])
-def test_one_member_average_is_identity(world, dtype, bucket_bytes):
-    shards = _shards(dtype, seed=bucket_bytes)
-    before = [s.clone() for s in shards]
-    ledger = CommLedger()
-    avg = ShardAverager(world, 1, bucket_bytes=bucket_bytes, ledger=ledger)
-    stats = avg.average(shards)
-    for b, s in zip(before, shards):
-        assert s.shape == b.shape and s.dtype == b.dtype
-        # bit for bit: compare the raw bytes
-        assert torch.equal(s.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    naive = sum(s.numel() * s.element_size() for s in before)
-    assert stats.inter_group_bytes == naive
-    assert stats.intra_group_bytes == 0
-    assert ledger.snapshot() == {"intra_group_bytes": 0, "inter_group_bytes": naive,
-                                 "intra_node_bytes": 0, "inter_node_bytes": naive}
-    # no element moves away from the (trivial) average
-    assert stats.sq_dev_sum == 0.0
-    # every collective carries at most 8 buckets (in-place pieces; packed ones hold one bucket)
-    bucket_elems = max(bucket_bytes // before[0].element_size(), 1)
-    total = sum(s.numel() for s in before)
-    assert stats.collectives >= math.ceil(total / (8 * bucket_elems))
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+BUCKETS = [1, 4, 16, 40, 100, 256, 1 << 20]
 
 
-@pytest.mark.parametrize("bucket_bytes", [8, 64, 1 << 20])
-def test_metric_sums_with_every_element_sampled(world, bucket_bytes):
-    shards = _shards(torch.float32, seed=3)
-    ref = sum(float(s.double().pow(2).sum()) for s in shards)
-    stats = ShardAverager(world, 1, bucket_bytes=bucket_bytes, max_samples=1 << 20).average(shards)
-    assert stats.samples == sum(s.numel() for s in shards)
-    assert stats.sq_mean_sum == pytest.approx(ref, rel=1e-12)
+def _plain(t: torch.Tensor) -> tuple:
+    """A tensor as picklable plain values (exact: every dtype here fits in float64)."""
+    return t.double().reshape(-1).tolist(), tuple(t.shape), str(t.dtype)
 
 
-def test_shards_that_are_views_of_one_buffer(world):
-    """Shards narrowed out of one flat buffer: writing back must not touch the gaps between them."""
-    buf = torch.randn(200, dtype=torch.float32, generator=torch.Generator().manual_seed(5))
-    ref = buf.clone()
-    rng = random.Random(1)
-    shards, pos = [], 0
+def _tensor(plain: tuple) -> torch.Tensor:
+    values, shape, dtype = plain
+    return torch.tensor(values, dtype=torch.float64).reshape(shape).to(getattr(torch, dtype.split(".")[1]))
+
+
+def _two_groups_job(rank, world):
+    """Rank r holds group r's shards (seed r); every bucketing, dtype and view layout averages
+    them. Returns what the parent compares with the closed-form mean."""
+    out = {}
+    group = torch.distributed.group.WORLD
+    for dtype in DTYPES:
+        for bucket_bytes in BUCKETS:
+            shards = _shards(dtype, seed=100 * bucket_bytes + rank)
+            ledger = CommLedger()
+            stats = ShardAverager(group, 2, bucket_bytes=bucket_bytes, ledger=ledger).average(shards)
+            out[(str(dtype), bucket_bytes)] = ([_plain(s) for s in shards], stats.inter_group_bytes,
+                                               stats.intra_group_bytes, stats.collectives, ledger.snapshot())
+    for bucket_bytes in (8, 64, 1 << 20):  # the metric sums, every element sampled
+        stats = ShardAverager(group, 2, bucket_bytes=bucket_bytes, max_samples=1 << 20).average(
+            _shards(torch.float32, seed=3 + rank))
+        out[("metrics", bucket_bytes)] = (stats.samples, stats.sq_dev_sum, stats.sq_mean_sum)
+    # shards narrowed out of one flat buffer: the gaps between them must not move
+    buf = torch.randn(200, dtype=torch.float32, generator=torch.Generator().manual_seed(5 + rank))
+    rng = random.Random(1)  # the same layout on both ranks
+    views, pos = [], 0
     while pos < 180:
         n = rng.randint(0, 25)
-        shards.append(buf.narrow(0, pos, n))
+        views.append((pos, n))
         pos += n + rng.randint(0, 3)
-    stats = ShardAverager(world, 1, bucket_bytes=24).average(shards)
-    assert torch.equal(buf.view(torch.uint8), ref.view(torch.uint8))
-    assert stats.inter_group_bytes == 4 * sum(s.numel() for s in shards)
+    ShardAverager(group, 2, bucket_bytes=24).average([buf.narrow(0, a, n) for a, n in views])
+    out["views"] = (_plain(buf), views)
+    return out
+
+
+def test_two_groups_average_to_the_closed_form_mean_whatever_the_bucketing():
+    """2 groups (2 processes): every dtype and bucket size gives (a + b) / 2 (fp32/fp64 bit for
+    bit; bf16 within its rounding), reports the bytes each rank sent, and leaves no element behind."""
+    from fl_megatron.local_ranks import run_ranks
+
+    r0, r1 = run_ranks(2, _two_groups_job, timeout=300)
+    for dtype in DTYPES:
+        for bucket_bytes in BUCKETS:
+            key = (str(dtype), bucket_bytes)
+            a, b = _shards(dtype, seed=100 * bucket_bytes), _shards(dtype, seed=100 * bucket_bytes + 1)
+            for got, inter, intra, collectives, ledger in (r0[key], r1[key]):
+                for x, y, g in zip(a, b, map(_tensor, got)):
+                    mean = ((x.double() + y.double()) / 2).to(dtype)
+                    assert g.shape == x.shape and g.dtype == dtype
+                    if dtype == torch.bfloat16:
+                        torch.testing.assert_close(g, mean, rtol=1e-2, atol=1e-2)
+                    else:
+                        assert torch.equal(g, (x + y) / 2), (key, (g - mean).abs().max())
+                naive = sum(x.numel() * x.element_size() for x in a)
+                assert (inter, intra) == (naive, 0), key
+                assert ledger == {"intra_group_bytes": 0, "inter_group_bytes": naive, "intra_node_bytes": 0,
+                                  "inter_node_bytes": naive}
+                bucket_elems = max(bucket_bytes // a[0].element_size(), 1)
+                assert collectives >= math.ceil(sum(x.numel() for x in a) / (8 * bucket_elems))
+            assert r0[key][0] == r1[key][0]
+    for bucket_bytes in (8, 64, 1 << 20):
+        a, b = _shards(torch.float32, seed=3), _shards(torch.float32, seed=4)
+        half_gap = sum(float(((x.double() - y.double()) / 2).pow(2).sum()) for x, y in zip(a, b))
+        mean_sq = sum(float(((x.double() + y.double()) / 2).pow(2).sum()) for x, y in zip(a, b))
+        for samples, sq_dev, sq_mean in (r0[("metrics", bucket_bytes)], r1[("metrics", bucket_bytes)]):
+            assert samples == sum(x.numel() for x in a)
+            assert sq_dev == pytest.approx(half_gap, rel=1e-5) and sq_mean == pytest.approx(mean_sq, rel=1e-5)
+    (buf0, views), (buf1, _) = r0["views"], r1["views"]
+    buf0, buf1 = _tensor(buf0), _tensor(buf1)
+    raw = [torch.randn(200, dtype=torch.float32, generator=torch.Generator().manual_seed(5 + r)) for r in (0, 1)]
+    inside = torch.zeros(200, dtype=torch.bool)
+    for start, n in views:
+        inside[start:start + n] = True
+    assert torch.equal(buf0[inside], (raw[0][inside] + raw[1][inside]) / 2) and torch.equal(buf0[inside], buf1[inside])
+    assert torch.equal(buf0[~inside], raw[0][~inside]) and torch.equal(buf1[~inside], raw[1][~inside])
 
 
 def test_empty_list(world):

@@ -72,7 +72,22 @@ def test_dry_run_of_the_published_layouts(name, capsys, monkeypatch):
     layout = make_layout(512, 4, group_size=int(flag_values.get("--fl-group-size", 512)),
                          shard_size=int(flag_values.get("--fl-hsdp-shard-size", 0)) or None)
     if layout.is_federated:
-        assert "all_reduce_peers" in out
+        # bytes one rank sends per sync, by hand: its fp32 shard (params / S elements) all-reduced
+        # over the F peers as a ring (2 (F-1)/F), with FL+HSDP's replica split 1/P of it, then
+        # the replicas all-gather their slices inside the group ((P-1)/P of the shard)
+        f, p, s = layout.num_groups, layout.replicas, layout.shard_size
+        shard = 4 * 8_030_261_248 / s
+        expected = {"all_reduce_peers": 2 * (f - 1) / f * shard / p}
+        if p > 1:
+            expected["all_gather_replica_slices"] = (p - 1) / p * shard
+        printed = {line.split()[0]: float(line.split()[-2]) for line in out.splitlines()
+                   if line.strip().startswith(("all_reduce_peers", "all_gather_replica"))}
+        assert printed.keys() == expected.keys(), out
+        for name, value in expected.items():
+            assert abs(printed[name] - value / 2**30) <= 0.05, (name, printed[name], value / 2**30)
+        if layout.group_size <= 4:  # a group inside one node: the sync is the only inter-node traffic
+            amortised = float(out.split("sync amortised over H=8:")[1].split("inter-node")[1].split()[0])
+            assert abs(amortised - sum(expected.values()) / 8 / 2**30) <= 0.05
         assert sync_comm(layout, count_parameters(get_preset("llama3.1-8b"))).total_bytes > 0
     else:
         assert "per federation sync:\n    nothing moves" in out

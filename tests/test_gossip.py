@@ -2,8 +2,8 @@
 
 References: the mixing matrices' row and column sums; W @ X computed in float64 from every
 group's gathered parameters; the consensus distance, norms and per-tensor figures computed
-directly from the gathered models; the bytes a round must send; Ada's rule replayed on the
-consensus the run logged.
+directly from the gathered models; the bytes a round must send; Ada's graphs against
+hand-written sequences (of given consensus values, and of a run whose thresholds fix them).
 """
 
 import json
@@ -207,16 +207,17 @@ def test_complete_is_fedavg_bitwise_and_hsdp_gossips_replica_slices(tmp_path):
 
 
 def test_ada_through_the_command_line_logs_its_graphs_and_the_consensus(tmp_path):
-    """4 groups, H = 2: every sync logs its graph, the consensus and the bytes per group; the
-    graphs are what Ada's rule gives on the logged consensus; the last sync is a full average."""
+    """4 groups, H = 2: every sync logs its graph, the consensus and the bytes per group. With
+    --fl-ada-low far above any drift, Ada goes one step sparser at every sync it may after the
+    warm-up, whatever the measured consensus: the graphs are known in advance (hand-written
+    below); the last sync is a full average."""
     flags = [*SGD, "--train-iters", "16", "--fl-group-size", "1", "--fl-sync-interval", "2", "--fl-topology", "ada",
-             "--fl-ada-warmup", "1", "--fl-ada-low", "1.5", "--fl-ada-high", "2.5"]
+             "--fl-ada-warmup", "1", "--fl-ada-low", "1e9", "--fl-ada-high", "2e9"]
     records = [r for r in run_pretrain(4, tmp_path / "run", tmp_path / "cache", *flags) if r["synced"]]
     assert [r["step"] for r in records] == list(range(2, 17, 2))
-    replay = GraphSchedule(FederationConfig(topology="ada", ada_warmup=1, ada_low=1.5, ada_high=2.5))
-    expected = [replay.choose(r["consensus_relative"], full=r["step"] == 16).graph for r in records]
-    assert [r["graph"] for r in records] == expected and expected[-1] == "complete"
-    assert len(set(expected)) > 1, expected  # it did move
+    expected = ["complete", "one-peer-exponential", "none", "none", "none", "none", "none", "complete"]
+    assert [r["graph"] for r in records] == expected
+    assert all(r["consensus_relative"] > 0 for r in records[1:])  # measured at every sync
     for r in records:
         assert len(r["group_norms"]) == 4 and len(r["group_bytes"]) == 4
         if r["graph"] == "none":
