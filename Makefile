@@ -38,7 +38,8 @@ DEMO_MEGATRON := $(findstring --backend megatron,$(ARGS))
 
 demo: $(VENV)/.package $(if $(DEMO_MEGATRON),$(VENV)/.megatron)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_RANKS) \
-		-m fl_megatron.pretrain --config examples/demo.json $(if $(DEMO_MEGATRON),--run-dir runs/demo-megatron) $(ARGS)
+		-m fl_megatron.pretrain --config examples/demo.json $(if $(DEMO_MEGATRON),--run-dir runs/demo-megatron) \
+		--save $(if $(DEMO_MEGATRON),runs/demo-megatron,runs/demo)/ckpt --keep-last 1 $(ARGS)
 
 # The demo's model, exported to Hugging Face format (runs/demo/ckpt-hf, replaced each time) and
 # asked to continue a prompt with transformers: run `make demo` first.
@@ -66,7 +67,7 @@ $(VENV)/.deepspeed: setup.py $(VENV)/.package
 demo-deepspeed: $(VENV)/.deepspeed
 	PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/deepspeed --num_gpus $(DEMO_RANKS) --no_local_rank \
 		--master_addr 127.0.0.1 --module fl_megatron.pretrain --config examples/demo.json --backend deepspeed \
-		--run-dir runs/demo-deepspeed $(ARGS)
+		--run-dir runs/demo-deepspeed --save runs/demo-deepspeed/ckpt --keep-last 1 $(ARGS)
 
 $(VENV)/.elastic: setup.py $(VENV)/.package
 	$(BIN)/python -m pip install -q -e ".[elastic]"
