@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("model", help="a Hugging Face model directory")
     p.add_argument("--prompt", default="def read(self, path):", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=32)
