@@ -87,7 +87,8 @@ lint: $(VENV)/.test-extras
 	$(BIN)/ruff check .
 
 # The slow end-to-end variants make test leaves out (pytest -m heavy): elastic kills with int8 +
-# error feedback + nesterov and with FL+HSDP, a peer lost mid-sync with FL+HSDP, the elastic resume.
+# error feedback + nesterov, with FL+HSDP and on DeepSpeed, a peer lost mid-sync with FL+HSDP, a
+# group leaving and another joining, the elastic resume.
 test-heavy: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m heavy $(ARGS)
 

@@ -6,9 +6,9 @@ groups meeting only at syncs (tools/elastic_launch.py).
 - A group dies: a rank of group 1 is SIGKILLed between two syncs; groups 0 and 2 go on without
   restarting and sync without it; torchrun restarts group 1, which heals from them at a later sync
   (no checkpoint) and ends bit-identical to them; on fsdp2 and DeepSpeed, with FL+HSDP and with
-  int8 + error feedback + nesterov (the last two `make test-heavy`).
+  int8 + error feedback + nesterov (all but fsdp2 in `make test-heavy`).
 - A peer lost in the middle of a sync: the survivors vote it down and agree again at the next.
-- A group leaves for good and a new one joins a running federation.
+- A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
 - Too few live groups: the others wait out the quorum timeout, save and stop (exit code 5)
@@ -111,7 +111,7 @@ HEAVY = pytest.mark.heavy  # `make test-heavy` (make test leaves them out to sta
     pytest.param((), id="fedavg"),
     pytest.param(("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback"),
                  id="int8-ef-nesterov", marks=HEAVY),
-    pytest.param(("--backend", "deepspeed"), id="deepspeed"),
+    pytest.param(("--backend", "deepspeed"), id="deepspeed", marks=HEAVY),
     pytest.param(("--fl-hsdp-shard-size", "1"), id="fl-hsdp", marks=HEAVY)])
 def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
@@ -167,6 +167,7 @@ def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp
     assert final[-1]["step"] == steps and final[-1]["shard_digests"] == syncs[0][steps]["shard_digests"]
 
 
+@HEAVY
 def test_a_group_leaves_for_good_and_a_new_one_joins_a_running_federation(tmp_path):
     steps, run = 16, tmp_path / "run"
     # 4 group slots. Group 1 is killed in step 6 and not restarted (its job exits for good). Group 3

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.backends import make_backend
-from fl_megatron.checkpoint import initial_values_for
+from fl_megatron.training.initial_values import initial_values_for
 from fl_megatron.federation import build_process_groups
 from fl_megatron.training.launch import init_distributed, read_launch_env
 
