@@ -1,4 +1,7 @@
-"""Communication and memory estimates for FL+FSDP / FL+HSDP layouts (pure Python).
+"""The cost model's byte counts for FL+FSDP / FL+HSDP layouts (pure Python): what each collective
+moves, what a sync's wire format costs per element, and what the sync state and the checkpoint hold.
+Config, the dry run, the engine's ledger, the compression codec and the benchmarks all count
+bytes here; `fl_megatron.cost_model` turns the counts into time.
 
 Volumes are per rank, for ring algorithms over a group of k ranks holding Psi elements:
 all-gather and reduce-scatter move Psi*(k-1)/k, all-reduce 2*Psi*(k-1)/k.
@@ -24,6 +27,59 @@ TIERS = (INTRA_NODE, INTER_NODE)
 
 _GROUPS = MappingProxyType({"shard": shard_groups, "replica": replica_groups,
                              "peer": peer_groups})
+
+
+# The inter-group wire formats of a sync. int8/int4 pack each element into `bits` and every block
+# of QUANT_BLOCK elements carries one fp32 scale; bf16 and fp32 send the values as they are.
+QUANT_BLOCK = 256
+QUANT_BITS = MappingProxyType({"int8": 8, "int4": 4})
+_PLAIN_WIRE_BYTES = MappingProxyType({"fp32": 4.0, "bf16": 2.0})
+_OUTER_STATE_SHARDS = MappingProxyType({"fedavg": 1, "nesterov": 2, "adam": 3})
+
+
+def working_bytes(bf16: bool) -> int:
+    """Bytes per element of the model's working copy (parameters gathered for compute)."""
+    return 2 if bf16 else 4
+
+
+def wire_bytes_per_element(sync_dtype: str) -> float:
+    """Bytes one shard element occupies on the inter-group wire (int8/int4: plus its block's scale)."""
+    if sync_dtype in QUANT_BITS:
+        return QUANT_BITS[sync_dtype] / 8 + 4.0 / QUANT_BLOCK
+    if sync_dtype not in _PLAIN_WIRE_BYTES:
+        raise ValueError(f"sync_dtype={sync_dtype!r} is not one of {', '.join([*_PLAIN_WIRE_BYTES, *QUANT_BITS])}")
+    return _PLAIN_WIRE_BYTES[sync_dtype]
+
+
+def in_flight_shards(overlapped: bool, fragments: int) -> float:
+    """fp32 shard-sized buffers of an overlapped sync in flight: two of the fragment it moves."""
+    return 2 / fragments if overlapped else 0.0
+
+
+def sync_state_shards(outer_optimizer: str, plain_average: bool, error_feedback: bool, overlapped: bool,
+                      fragments: int) -> float:
+    """fp32 shard-sized buffers a rank keeps for the sync: anchor and outer optimizer state
+    (fedavg with lr != 1 or compressed: 1, nesterov: 2, adam: 3), one for error feedback, and
+    the in-flight buffers of an overlapped sync. A plain fp32 FedAvg keeps none."""
+    if plain_average:
+        return 0.0
+    return (_OUTER_STATE_SHARDS[outer_optimizer] + int(error_feedback)
+            + in_flight_shards(overlapped, fragments))
+
+
+def wire_shards_per_sync(graph: str, groups: int) -> float:
+    """Shard-sized payloads one rank sends to other groups at one sync: the ring all-reduce's
+    2(G-1)/G for complete, the out-degree for a gossip graph, 0 for none."""
+    if graph == "complete":
+        return ring_volume("all_reduce", 1.0, groups) if groups > 1 else 0.0
+    return float(out_degree(graph, groups))
+
+
+def wire_volume(graph: str, groups: int, payload: float) -> float:
+    """What `payload` (bytes this rank handed to the sync's collectives, as the ledger counts
+    them) moves on the wire: a ring all-reduce over the groups for complete, as sent for a
+    gossip graph (its payload already counts one copy per out-neighbour)."""
+    return ring_volume("all_reduce" if graph == "complete" else "send", payload, groups)
 
 
 @dataclass(frozen=True)
@@ -250,7 +306,7 @@ def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,
         raise ValueError(f"optimizer={optimizer!r} unknown; use one of "
                          f"{', '.join(sorted(_OPTIMIZER_STATE_BYTES))}")
     s, h = layout.shard_size, hidden_size
-    param_bytes = 2 if bf16 else 4
+    param_bytes = working_bytes(bf16)
     if largest_layer_params is None:
         largest_layer_params = max(12 * h * h + 13 * h, vocab_size * h)
     # Fused attention (SDPA flash / memory-efficient kernels) never stores the s x s scores.
@@ -295,8 +351,13 @@ def checkpoint_bytes(num_params: int, num_groups: int, optimizer: str, sgd_momen
     rank's saved sync state adds up to (anchors, outer state, error-feedback residuals)."""
     states = 2 if optimizer == "adamw" else (1 if sgd_momentum > 0 else 0)
     one_group = num_params * 4 * (1 + states)
-    outer = num_params * 4 * outer_copies
+    outer = sync_state_bytes(num_params, outer_copies)
     return {"exact": one_group * num_groups + outer, "compact": one_group + outer}
+
+
+def sync_state_bytes(num_params: int, outer_copies: int) -> int:
+    """Bytes of `outer_copies` fp32 copies of the model in the ranks' saved sync state."""
+    return num_params * 4 * outer_copies
 
 
 def saved_outer_copies(fed, num_groups: int, replicas: int) -> int:

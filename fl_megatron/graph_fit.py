@@ -45,11 +45,3 @@ def out_degree(name: str, groups: int) -> int:
     if name == "one-peer-exponential":
         return 1
     raise ValueError(f"{name!r} is not a gossip graph")
-
-
-def wire_shards_per_sync(name: str, groups: int) -> float:
-    """Shard-sized payloads one rank sends to other groups at one sync: the ring all-reduce's
-    2(G-1)/G for complete, the out-degree for a gossip graph, 0 for none."""
-    if name == "complete":
-        return 2 * (groups - 1) / groups if groups > 1 else 0.0
-    return float(out_degree(name, groups))

@@ -1,9 +1,11 @@
 """Tests of fl_megatron.costs against closed forms written out independently."""
 
 import pytest
+import torch
 
-from fl_megatron.costs import (average_per_step, estimate_memory_per_rank, format_bytes,
-                               step_comm, sync_comm)
+from fl_megatron.costs import (QUANT_BITS, QUANT_BLOCK, average_per_step, estimate_memory_per_rank, format_bytes,
+                               step_comm, sync_comm, sync_state_shards, wire_bytes_per_element, wire_shards_per_sync,
+                               wire_volume)
 from fl_megatron.topology import make_layout
 
 PSI = 8_030_261_248  # Llama 3 8B parameter count; divisible by 512
@@ -178,3 +180,29 @@ def test_sync_buffers_and_unfused_attention_are_counted():
     assert unfused["activations"] - fused["activations"] == 2 * 4096 * 64 * 5 * 4 * 4096 / 64
     assert unfused["sync_buffers"] == bucket and unfused["total"] - fused["total"] == pytest.approx(
         unfused["activations"] - fused["activations"] + bucket)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+def test_the_wire_count_is_what_the_codec_sends(dtype):
+    """The cost model's bytes per element against the encoding the sync really sends."""
+    from fl_megatron.federation.compression import quantize
+
+    x = torch.randn(64 * QUANT_BLOCK)
+    if dtype in QUANT_BITS:
+        sent = quantize(x, QUANT_BITS[dtype])
+    else:
+        sent = [x.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])]
+    assert sum(p.numel() * p.element_size() for p in sent) == x.numel() * wire_bytes_per_element(dtype)
+    with pytest.raises(ValueError, match="sync_dtype='fp8' is not one of fp32, bf16, int8, int4"):
+        wire_bytes_per_element("fp8")
+
+
+def test_sync_state_and_wire_volume_counts():
+    """Sync state by hand: nesterov keeps anchor + momentum, + a residual with error feedback, + two
+    buffers of the fragment in flight; a plain fp32 average keeps none. A ring all-reduce over 4
+    groups moves 2 x 3/4 of its payload; a gossip round's payload is already per neighbour."""
+    assert sync_state_shards("nesterov", False, True, True, 4) == 2 + 1 + 2 / 4
+    assert sync_state_shards("adam", False, False, False, 1) == 3
+    assert sync_state_shards("fedavg", True, False, False, 1) == 0
+    assert wire_volume("complete", 4, 1000.0) == 1500.0 and wire_volume("ring", 4, 1000.0) == 1000.0
+    assert wire_shards_per_sync("complete", 4) == 1.5 and wire_shards_per_sync("exponential", 8) == 3

@@ -19,7 +19,8 @@ from cli_utils import SGD, run_pretrain, step_records
 from fl_megatron.config.parallel import FederationConfig
 from fl_megatron.federation.ada import GraphSchedule
 from fl_megatron.federation.graphs import gossip_round, mixing_matrix
-from fl_megatron.graph_fit import GRAPHS, topology_problem, wire_shards_per_sync
+from fl_megatron.costs import wire_shards_per_sync
+from fl_megatron.graph_fit import GRAPHS, topology_problem
 from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import make_trainer, max_diff, peers_identical, tiny_config, train_and_gather
 
@@ -222,6 +223,12 @@ def test_ada_through_the_command_line_logs_its_graphs_and_the_consensus(tmp_path
         assert len(r["group_norms"]) == 4 and len(r["group_bytes"]) == 4
         if r["graph"] == "none":
             assert max(r["group_bytes"]) < min(b for q in records if q["graph"] != "none" for b in q["group_bytes"])
+    # on the wire, by hand: the metric's sample alone without an exchange; with one, a ring all-reduce
+    # of the shard over 4 groups sends 2 x 3/4 of it, one-peer exponential the shard once
+    sample = records[2]["group_bytes"]
+    shard_on_ring = [b - s for b, s in zip(records[0]["group_bytes"], sample)]
+    shard_once = [b - s for b, s in zip(records[1]["group_bytes"], sample)]
+    assert all(abs(r - 1.5 * o) <= 2 for r, o in zip(shard_on_ring, shard_once)), (shard_on_ring, shard_once)
     detail = [json.loads(line) for line in (tmp_path / "run" / "consensus.jsonl").read_text().splitlines()]
     assert [d["step"] for d in detail] == [r["step"] for r in records]
     assert "layers.0.attention.wq.weight" in detail[0]["tensors"] or len(detail[0]["tensors"]) > 5

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fl_megatron.backends import make_backend
 from fl_megatron.config import FederationConfig, ModelConfig, RunConfig, resolve
+from fl_megatron.costs import sync_comm, wire_bytes_per_element, wire_volume
 from fl_megatron.federation import FederationEngine, build_process_groups
 from fl_megatron.local_ranks import run_ranks
 from fl_megatron.models import count_parameters
@@ -77,7 +78,7 @@ def _timed(fn) -> float:
 def sync_job(rank, world, args, backend_name, group_size, shard_size):
     """Median sync time (replica split and naive) against bare all-reduces of the same bytes."""
     torch.set_num_threads(1)
-    _, groups, backend = _build(args, world, backend_name, group_size, shard_size)
+    cfg, groups, backend = _build(args, world, backend_name, group_size, shard_size)
     layout = groups.layout
     engines = {split: FederationEngine(backend, groups, FederationConfig(
         group_size=group_size, hsdp_shard_size=shard_size, sync_interval=1, replica_split=split,
@@ -107,8 +108,13 @@ def sync_job(rank, world, args, backend_name, group_size, shard_size):
             t = _timed(fn)
             if i >= args.warmup:
                 times[name].append(t)
-    return {"median_s": {k: statistics.median(v) for k, v in times.items()},
-            "inter_group_bytes": payload, "shard_bytes": shard_elems * 4}
+    # on the wire, measured (the ledger's payload through the ring) beside the cost model's count
+    wire = {k: wire_volume("complete", layout.num_groups, b) for k, b in payload.items()}
+    predicted = {f"sync_split={s}": sync_comm(layout, count_parameters(cfg.model), wire_bytes_per_element("fp32"),
+                                              replica_split=s).bytes_by_scope["inter-group"] for s in engines}
+    return {"median_s": {k: statistics.median(v) for k, v in times.items()}, "inter_group_bytes": payload,
+            "inter_group_wire_bytes": wire, "predicted_wire_bytes": predicted,
+            "shard_bytes": shard_elems * wire_bytes_per_element("fp32")}
 
 
 def _rss_now() -> int:
@@ -226,6 +232,9 @@ def _sync_report(args, backend_name: str) -> dict:
           f"{m['sync_split=False'] * 1e3:.1f} ms ({hsdp['inter_group_bytes']['sync_split=False'] / 2**20:.1f} MiB); "
           f"bare all-reduce of the slice {m['bare_slice'] * 1e3:.1f} ms, of the whole shard {m['bare_shard'] * 1e3:.1f} ms",
           flush=True)
+    for key, label in (("sync_split=True", "replica split"), ("sync_split=False", "naive")):
+        print(f"    {label}: {hsdp['inter_group_wire_bytes'][key] / 2**20:.2f} MiB per rank on the inter-group wire, "
+              f"cost model {hsdp['predicted_wire_bytes'][key] / 2**20:.2f} MiB", flush=True)
     print(f"  naive / replica split time: {m['sync_split=False'] / m['sync_split=True']:.2f}x; "
           f"split sync / bare all-reduce of its inter-group bytes: {m['sync_split=True'] / m['bare_slice']:.2f}x "
           f"(it also all-gathers the slices inside the group)", flush=True)

@@ -3,13 +3,12 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..costs import in_flight_shards, sync_state_shards, wire_bytes_per_element
 from ..graph_fit import ADA_LEVELS, TOPOLOGIES
 
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
 SYNC_DTYPES = ("fp32", "bf16", "int8", "int4")
-QUANT_BLOCK = 256  # elements sharing one fp32 scale in an int8/int4 sync
-QUANT_BITS = {"int8": 8, "int4": 4}
 INNER_STATE_POLICIES = ("keep", "average", "reset")
 MAX_FRAGMENTS = 1024  # far more than Streaming DiLoCo's schedules; far fewer than any rank's shard elements
 
@@ -167,25 +166,19 @@ class FederationConfig:
 
     @property
     def sync_bytes_per_element(self) -> float:
-        """Bytes one shard element occupies on the inter-group wire (int8/int4: plus its block's scale)."""
-        if self.sync_dtype in QUANT_BITS:
-            return QUANT_BITS[self.sync_dtype] / 8 + 4.0 / QUANT_BLOCK
-        return {"fp32": 4.0, "bf16": 2.0}[self.sync_dtype]
+        """Bytes one shard element occupies on the inter-group wire (the cost model's count)."""
+        return wire_bytes_per_element(self.sync_dtype)
 
     @property
     def outer_state_shards(self) -> float:
-        """fp32 shard-sized buffers a rank keeps for the sync: anchor and outer optimizer state
-        (fedavg lr != 1 or compressed: 1, nesterov: 2, adam: 3), plus one for error feedback and
-        two fragments' worth while a sync is in flight (--fl-overlap-steps)."""
-        if self.plain_average:
-            return 0
-        return ({"fedavg": 1, "nesterov": 2, "adam": 3}[self.outer_optimizer] + int(self.error_feedback)
-                + self.in_flight_shards)
+        """fp32 shard-sized buffers a rank keeps for the sync (the cost model's count)."""
+        return sync_state_shards(self.outer_optimizer, self.plain_average, self.error_feedback,
+                                 bool(self.overlap_steps), self.fragments)
 
     @property
     def in_flight_shards(self) -> float:
-        """fp32 shard-sized buffers of an overlapped sync in flight: two of the fragment it moves."""
-        return 2 / self.fragments if self.overlap_steps else 0
+        """fp32 shard-sized buffers of an overlapped sync in flight (the cost model's count)."""
+        return in_flight_shards(bool(self.overlap_steps), self.fragments)
 
     @property
     def fragment_interval(self) -> int:

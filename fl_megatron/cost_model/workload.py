@@ -3,6 +3,7 @@
 from typing import Optional
 
 from ..config import ResolvedRun
+from ..costs import working_bytes
 from ..models import build_model
 from .flops import compute_seconds as flops_seconds
 from .timing import Workload
@@ -22,7 +23,7 @@ def parameter_counts(model_cfg) -> tuple[int, int, int]:
 def gradient_bytes(cfg) -> int:
     """Bytes per gradient element reduced in a step: FSDP2 and megatron reduce (megatron also
     accumulates) in fp32 unless --grad-reduce-dtype bf16; DeepSpeed in the model dtype."""
-    param_bytes = 2 if cfg.training.bf16 else 4
+    param_bytes = working_bytes(cfg.training.bf16)
     if cfg.parallel.backend == "deepspeed" or cfg.training.grad_reduce_dtype == "bf16":
         return param_bytes
     return 4
@@ -50,7 +51,7 @@ def workload_for(run: ResolvedRun, compute_seconds: Optional[float] = None,
     if compute_seconds is None:
         compute_seconds = flops_seconds(total, cfg.model, t.seq_length, tokens_per_rank, c.peak_tflops, c.mfu,
                                         t.recompute_activations)
-    param_bytes = 2 if t.bf16 else 4
+    param_bytes = working_bytes(t.bf16)
     grad_bytes = gradient_bytes(cfg)
     return Workload(num_params=total, regathered_params=regathered_params(cfg.parallel.backend, total, root,
                                                                           cfg.deepspeed),

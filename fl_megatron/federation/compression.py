@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config.parallel import QUANT_BITS
-from ..config.parallel import QUANT_BLOCK as BLOCK  # elements per scale (the cost model counts it too)
+from ..costs import QUANT_BITS
+from ..costs import QUANT_BLOCK as BLOCK  # elements per scale: the wire format the cost model counts
 
 
 def quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ..config.parallel import FederationConfig
+from ..costs import wire_volume
 from ..faults import kill_point
-from ..graph_fit import wire_shards_per_sync
 from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
 from .consensus import Consensus, measure
@@ -323,9 +323,9 @@ class FederationEngine:
             return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
                               variance, rms, sick, choice.graph, fragments=fragments)
         groups = self.groups.layout.num_groups
-        ring = wire_shards_per_sync("complete", groups)
         self.ledger.add("inter-group", self.averager.peer_tier, consensus.sample_bytes)
-        wire = stats.inter_group_bytes * (ring if choice.graph == "complete" else 1.0) + consensus.sample_bytes * ring
+        wire = (wire_volume(choice.graph, groups, stats.inter_group_bytes)
+                + wire_volume("complete", groups, consensus.sample_bytes))
         per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.device_type)
         per_group[self.groups.coords[0]] = wire
         self.groups.all_reduce_job(per_group)

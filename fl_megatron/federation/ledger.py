@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SCOPES = ("intra-group", "inter-group")
-TIERS = ("intra-node", "inter-node")
+from ..costs import SCOPES, TIERS
 
 
 class CommLedger:

@@ -10,7 +10,7 @@ from ..config import ResolvedRun, RunConfig
 from ..cost_model.compare import compare_text
 from ..cost_model.workload import gradient_bytes, workload_for
 from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes,
-                     saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm)
+                     saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm, sync_state_bytes, working_bytes)
 from ..models import build_model
 from ..topology import Layout
 from .console import batch_line, federation_line
@@ -58,7 +58,7 @@ def _checkpoint_line(cfg: RunConfig, layout: Layout, num_params: int) -> str:
     chosen = cfg.checkpoint.ckpt_mode
     parts = [f"{mode} {format_bytes(n)}{' (chosen)' if mode == chosen else ''}" for mode, n in sizes.items()]
     where = f" in {cfg.checkpoint.save}" if cfg.checkpoint.save else " (not saving: no --save)"
-    extra = f"; both with {format_bytes(num_params * 4 * outer)} of sync state" if outer else ""
+    extra = f"; both with {format_bytes(sync_state_bytes(num_params, outer))} of sync state" if outer else ""
     return (f"  checkpoint size{where}: {', '.join(parts)} "
             f"(exact: {layout.num_groups} groups' parameters and optimizer states; compact: one{extra})")
 
@@ -116,7 +116,7 @@ def dry_run_report(run: ResolvedRun) -> str:
     num_params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in block.parameters()) for block in model.layers)
     root = num_params - sum(sum(p.numel() for p in b.parameters()) for b in model.layers)
-    param_bytes = 2 if t.bf16 else 4
+    param_bytes = working_bytes(t.bf16)
     memory = estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
                                       t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
                                       optimizer=t.optimizer, largest_layer_params=max(largest, root),
