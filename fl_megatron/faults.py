@@ -14,7 +14,8 @@ Stragglers: `delay:GROUP:STEP:SECONDS` makes every rank of that group sleep that
 that step; `jitter:MEAN:SEED` makes every group sleep before every step for a random time
 (exponential, mean MEAN seconds, drawn from SEED, the group and the step: the same on all ranks
 of a group). `lockstep` ends every step with a world all-reduce, as the loop did before the
-groups stopped meeting between syncs (the benchmark's "before" row).
+groups stopped meeting between syncs (the benchmark's "before" row). `slow-sync:SECONDS@STEP`
+makes every sync's exchange from step STEP on sleep SECONDS (a link that slowed down).
 Several faults may be given, separated by commas.
 """
 
@@ -67,3 +68,15 @@ def delay_seconds(group: int, step: int) -> float:
 def lockstep() -> bool:
     """Whether every step ends with a world all-reduce (the coupled loop, for comparison)."""
     return "lockstep" in _faults()
+
+
+def sync_delay_seconds(step: int) -> float:
+    """How long the exchange of a sync launched after step `step` sleeps: `slow-sync:SECONDS@STEP`
+    slows every sync from step STEP on, on every rank, as a link that slowed down would."""
+    total = 0.0
+    for fault in _faults():
+        name, _, rest = fault.partition(":")
+        if name == "slow-sync":
+            seconds, start = rest.split("@")
+            total += float(seconds) if step >= int(start) else 0.0
+    return total

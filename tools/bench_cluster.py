@@ -125,6 +125,8 @@ def run_row(cluster, args, row: Row, run_dir: Path, steps: int, jitter_ms: float
     jitter_ms = args.jitter_ms if jitter_ms is None else jitter_ms
     flags = [*common_flags(args, steps), *row.flags(), "--ranks-per-node", str(args.ranks_per_node),
              "--run-dir", str(run_dir)]
+    if not row.is_peer and "--fl-tune" not in row.extra:
+        flags.append("--no-fl-link-probe")  # its few MB would be in the counters, beside no prediction
     if not row.is_peer:
         faults = [f for f in (row.fault, f"jitter:{jitter_ms / 1000:g}:{args.jitter_seed}" if jitter_ms
                               else "") if f]

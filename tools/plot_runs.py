@@ -10,7 +10,9 @@ intra-node and inter-node payload bytes against step) and, for runs with DBench 
 and the bytes the groups sent, against step; Ada's graphs marked). A federated run's
 metrics.jsonl has the federation's records (at each sync); its groups' own per-step records
 (groups/group_GGGGG.jsonl) go into group_loss.png: each group's loss against step, with the
-federation's mean at the syncs. Needs pip install -e ".[plots]".
+federation's mean at the syncs. Runs that recorded per-sync telemetry get sync_telemetry.png: the
+MB/s each network tier carried during each sync's exchange, and the fraction of the time spent
+waiting on the sync. Needs pip install -e ".[plots]".
 """
 
 import argparse
@@ -171,6 +173,31 @@ def consensus(runs: Sequence[Run]):
     return fig
 
 
+def sync_telemetry(runs: Sequence[Run]):
+    """Two panels against step, one point per sync: the MB/s each network tier carried during the
+    exchange (rank 0's wire bytes over the exchange's time), and the fraction of the time between
+    two records that training waited on the sync; None when no run recorded them."""
+    measured = [(run, [r for r in (run.federation or run.steps) if "sync_exchange_seconds" in r]) for run in runs]
+    measured = [(run, syncs) for run, syncs in measured if syncs]
+    if not measured:
+        return None
+    fig, (left, right) = _figure("What each sync achieved", "step", "", ncols=2)
+    left.set_ylabel("MB/s on the wire during the exchange")
+    right.set_ylabel("fraction of the time waiting on the sync")
+    for run, syncs in measured:
+        for tier in ("inter_node", "intra_node"):
+            key = f"sync_{tier}_bytes_per_s"
+            points = [r for r in syncs if key in r]
+            if points:
+                left.plot([r["step"] for r in points], [r[key] / 1e6 for r in points], marker="o",
+                          label=f"{run.label}: {tier.replace('_', '-')}")
+        waits = [r for r in syncs if "sync_wait_fraction" in r]
+        right.plot([r["step"] for r in waits], [r["sync_wait_fraction"] for r in waits], marker="o", label=run.label)
+    left.legend(fontsize="small")
+    right.legend()
+    return fig
+
+
 def group_loss(runs: Sequence[Run]):
     """Each group's own loss against step (thin lines, the run's colour) and the federation's
     mean at each sync (markers); None when no run has group records."""
@@ -192,7 +219,8 @@ def plot_runs(runs: Sequence[Run]) -> dict:
     """{file name: Figure} for every plot that has data."""
     figures = {"loss_vs_tokens.png": loss_vs_tokens(runs), "loss_vs_time.png": loss_vs_time(runs),
                "eval_loss_vs_tokens.png": eval_loss_vs_tokens(runs), "bytes_per_tier.png": bytes_per_tier(runs),
-               "consensus.png": consensus(runs), "group_loss.png": group_loss(runs)}
+               "consensus.png": consensus(runs), "group_loss.png": group_loss(runs),
+               "sync_telemetry.png": sync_telemetry(runs)}
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 

@@ -91,6 +91,7 @@ class Checkpointer:
         self.is_writer = dist.get_rank() == 0  # the job's first rank (in elastic mode each group is a job)
         # elastic mode: each group saves only its own state, in a directory of its own (--save DIR/group_GGGGG)
         self.own_group_only = run.cfg.federation.elastic
+        self.tune_state = None  # --fl-tune: the tuner's state, saved in metadata.json beside the mode it chose
         self.group = engine.groups.coords[0]
         self.replica = engine.groups.coords[1]
         self._pruner: Optional[threading.Thread] = None  # rank 0 deleting old checkpoints
@@ -162,6 +163,8 @@ class Checkpointer:
             meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
                                   self.options.ckpt_mode, saved_groups, self.run.cfg.to_dict())
             meta["federation"]["schedule"] = self.engine.schedule.state()
+            if self.tune_state is not None:
+                meta["federation"]["tune"] = self.tune_state()
         pending = PendingSave(root, iteration, staging, future, meta)
         if self.options.async_save:
             self.pending = pending

@@ -189,9 +189,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[RunConfig, argpars
     return cfg, ns
 
 
-def config_to_json(cfg: RunConfig) -> str:
-    """The resolved configuration as JSON text (what config.json in the run directory holds)."""
-    return json.dumps(cfg.to_dict(), indent=2, sort_keys=False) + "\n"
+def config_to_json(cfg: RunConfig, extra: Optional[dict] = None) -> str:
+    """The resolved configuration as JSON text (what config.json in the run directory holds), with
+    `extra` top-level entries (the run's link probe)."""
+    return json.dumps({**cfg.to_dict(), **(extra or {})}, indent=2, sort_keys=False) + "\n"
 
 
 def dump_flags(cfg: RunConfig) -> list[str]:

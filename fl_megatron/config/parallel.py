@@ -95,6 +95,37 @@ class FederationConfig:
                                      "in turn (Streaming DiLoCo): each fragment still syncs every H steps, the "
                                      "bytes spread over N syncs of 1/N; N divides H; the last sync and a sick "
                                      "group's reset cover every fragment"})
+    link_probe: bool = field(
+        default=True, metadata={"help": "at start-up, time a few collectives over the peer group and a group inside "
+                                        "the federation group (a few MB, about a second): the links' bandwidth and "
+                                        "latency as the run sees them, printed as --dry-run flags and kept in "
+                                        "config.json (federated runs; not in elastic mode)"})
+    tune: bool = field(
+        default=False, metadata={"help": "pick the sync precision, overlap, fragments and H from the probed links and "
+                                         "the measured step time with the cost model, at the first sync and again "
+                                         "when the measured syncs leave its prediction (--fl-tune-*: the bounds; "
+                                         "docs/sync-modes.md, 'Let it choose')"})
+    tune_lowest_precision: str = field(
+        default="int8", metadata={"help": "--fl-tune: the lowest sync precision it may pick (fp32, bf16, int8, int4; "
+                                          "int8 and int4 always with error feedback)"})
+    tune_max_sync_interval: Optional[int] = field(
+        default=None, metadata={"help": "--fl-tune: the largest H it may pick (default: --fl-sync-interval, "
+                                        "unchanged); it tries H, its doublings and this value"})
+    tune_overlap: bool = field(
+        default=True, metadata={"help": "--fl-tune: whether it may overlap a sync with the next step (two more fp32 "
+                                        "shard buffers while in flight)"})
+    tune_max_fragments: int = field(
+        default=4, metadata={"help": "--fl-tune: the most fragments it may cut the shards into (1, 2, 4, ... "
+                                     "dividing H)"})
+    tune_every: int = field(
+        default=8, metadata={"help": "--fl-tune: compare the measured sync time with the prediction every this many "
+                                     "syncs, and choose again when the links changed (0: choose once)"})
+    tune_threshold: float = field(
+        default=0.5, metadata={"help": "--fl-tune: choose again when the measured sync time is more than 1 + this "
+                                       "times the prediction, or less than 1 / (1 + this) times it"})
+    tune_tolerance: float = field(
+        default=0.03, metadata={"help": "--fl-tune: prefer the most exact mode predicted within this fraction of "
+                                        "the fastest (a smaller H, a finer precision, no overlap, fewer fragments)"})
     sick_loss_ratio: float = field(
         default=0.0, metadata={"help": "at a sync, also leave out (and reset to the others' average) a group whose "
                                        "loss exceeds this many times the best group's; 0 disables (groups with "
@@ -237,8 +268,38 @@ class FederationConfig:
             errors.append("error_feedback needs a compressed sync (sync_dtype bf16, int8 or int4): fp32 loses nothing")
         errors += self._gossip_errors()
         errors += self._elastic_errors()
+        errors += self._tune_errors()
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))
+
+    def _tune_errors(self) -> list[str]:
+        """Problems of --fl-tune and its bounds."""
+        errors = []
+        if self.tune_lowest_precision not in SYNC_DTYPES:
+            errors.append(f"tune_lowest_precision={self.tune_lowest_precision!r} is not one of {', '.join(SYNC_DTYPES)}")
+        if self.tune_max_sync_interval is not None and self.tune_max_sync_interval < max(self.sync_interval, 1):
+            errors.append(f"tune_max_sync_interval={self.tune_max_sync_interval} must be at least "
+                          f"sync_interval={self.sync_interval}")
+        if self.tune_max_fragments < 1:
+            errors.append(f"tune_max_fragments={self.tune_max_fragments} must be at least 1")
+        if self.tune_every < 0 or self.tune_threshold <= 0 or not 0 <= self.tune_tolerance < 1:
+            errors.append(f"tune_every={self.tune_every} must be >= 0, tune_threshold={self.tune_threshold} positive "
+                          f"and tune_tolerance={self.tune_tolerance} in [0, 1)")
+        if not self.tune:
+            return errors
+        if not self.syncing:
+            errors.append("tune picks how the groups sync: it needs sync_interval > 0 and syncing enabled")
+        if self.elastic:
+            errors.append("tune does not run in elastic mode: its syncs are blocking and unfragmented, and a "
+                          "switched mode would have to reach groups that join later")
+        if self.topology != "complete":
+            errors.append(f"tune picks among complete averages; topology={self.topology} mixes fp32 parameters "
+                          "along a graph (leave out --fl-tune, or use topology complete)")
+        if self.inner_state == "reset":
+            errors.append("tune may pick fragments, which inner_state reset refuses; use keep or average")
+        if not self.link_probe:
+            errors.append("tune needs the start-up link probe (link_probe)")
+        return errors
 
     def _elastic_errors(self) -> list[str]:
         """What elastic mode refuses, with the reason (docs/failures.md, "Elastic mode")."""

@@ -50,10 +50,12 @@ class SyncStats:
     sq_dev_sum: float = 0.0      # sum over sampled elements of (own value - average)^2
     sq_mean_sum: float = 0.0     # sum over sampled elements of average^2
     samples: int = 0
+    exchange_seconds: float = 0.0  # an overlapped sync's time in the background thread
 
     def merge(self, other: "SyncStats") -> None:
         """Add another average's counts and sums (several fragments in one sync)."""
-        for name in ("inter_group_bytes", "intra_group_bytes", "collectives", "sq_dev_sum", "sq_mean_sum", "samples"):
+        for name in ("inter_group_bytes", "intra_group_bytes", "collectives", "sq_dev_sum", "sq_mean_sum", "samples",
+                     "exchange_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 

@@ -1,15 +1,15 @@
 """The federation engine: after each optimizer step, decide whether to sync and do it."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config.parallel import FederationConfig
-from ..costs import wire_volume
-from ..faults import kill_point
+from ..costs import ring_volume, wire_volume
+from ..faults import kill_point, sync_delay_seconds
 from .ada import Choice, GraphSchedule
 from .averaging import ShardAverager, SyncStats
 from .consensus import Consensus, measure
@@ -23,6 +23,7 @@ from .ledger import CommLedger
 from .rollback import HostBackup, host_backup
 from .membership import Membership
 from .outer import OuterOptimizer
+from .mode_switch import recut_outer_state
 from .overlap import InFlight, Overlapper
 from .schedule import sync_due
 
@@ -44,6 +45,8 @@ class SyncResult:
     membership: Optional[Membership] = None  # the groups that met (elastic mode: the live ones)
     joined: tuple = ()     # groups that healed at this sync: they received the average, sent nothing
     committed: bool = True  # False: the sync failed somewhere and every shard was restored (elastic mode)
+    exchange_seconds: float = 0.0  # the exchange itself (blocking: `seconds`; overlapped: its time in the thread)
+    wire_bytes_by_tier: dict = field(default_factory=dict)  # this rank's bytes on the wire per network tier
 
 
 class FederationEngine:
@@ -63,21 +66,13 @@ class FederationEngine:
         if self.active and config.overlap_steps and peer is groups.peer:
             raise ValueError("--fl-overlap-steps needs the exchange's own process groups: "
                              "build_process_groups(..., exchange=True)")
-
-        def averager(**compression) -> ShardAverager:
-            return ShardAverager(
-                peer, layout.num_groups, replica_group=replica,
-                replicas=layout.replicas, replica_index=replica_index, replica_split=config.replica_split,
-                bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
-                peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), **compression)
-
+        self._peer, self._replica, self._replica_index = peer, replica, replica_index
         # one averager (and error-feedback residuals) and one outer optimizer per fragment
         self.fragments = config.fragments if self.active else 1
-        self.averagers = [averager(sync_dtype=config.sync_dtype, error_feedback=config.error_feedback)
-                          for _ in range(self.fragments)]
+        self.averagers = self._new_averagers()
         self.averager = self.averagers[0]
         # --fl-inner-state average: the inner optimizer's moments, averaged exactly (fp32)
-        self.state_averager = averager()
+        self.state_averager = self._averager()
         self.last_synced_step = 0  # the last sync that averaged every fragment
         # outer optimizer (anchor + state shards) unless a sync is today's exact fp32 FedAvg
         self.outers: list[OuterOptimizer] = []
@@ -88,6 +83,49 @@ class FederationEngine:
         self.schedule = GraphSchedule(config)
         self.vote: Optional[Vote] = None  # the last sync's vote (sick groups, group figures, stop requests)
         self._peer_call = call_directly  # how the vote calls the peer group (elastic: the sync's PeerLatch)
+
+    def _averager(self, **compression) -> ShardAverager:
+        config, groups, layout = self.config, self.groups, self.groups.layout
+        return ShardAverager(
+            self._peer, layout.num_groups, replica_group=self._replica,
+            replicas=layout.replicas, replica_index=self._replica_index, replica_split=config.replica_split,
+            bucket_bytes=int(config.bucket_mb * (1 << 20)), ledger=self.ledger,
+            peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), **compression)
+
+    def _new_averagers(self) -> list[ShardAverager]:
+        return [self._averager(sync_dtype=self.config.sync_dtype, error_feedback=self.config.error_feedback)
+                for _ in range(self.fragments)]
+
+    def switch_mode(self, **fields) -> None:
+        """Sync differently from now on (--fl-tune): new `FederationConfig` fields (sync_dtype,
+        error_feedback, overlap_steps, fragments, sync_interval). Call right after a full sync,
+        with nothing in flight: the anchors equal the shards then, and the outer optimizer's state
+        is carried over, re-cut for the new fragments. Error-feedback residuals carry over while
+        the precision and the fragments stay; otherwise they restart (at most one quantisation step
+        of each element is not sent again)."""
+        if self.flight is not None:
+            raise RuntimeError("switch_mode: a sync is in flight; land it with a full sync first")
+        config = self.config
+        before = (config.sync_dtype, config.error_feedback, config.fragments)
+        if fields.get("overlap_steps") and self.overlapper is None and self._peer is self.groups.peer:
+            raise ValueError("an overlapped sync needs the exchange's own process groups: "
+                             "build_process_groups(..., exchange=True)")
+        for name, value in fields.items():
+            if not hasattr(config, name):
+                raise ValueError(f"switch_mode: FederationConfig has no field {name!r}")
+            setattr(config, name, value)
+        shards = self.backend.local_shards()
+        old_outers, old_fragments = self.outers, self.fragments
+        self.fragments = config.fragments
+        if (config.sync_dtype, config.error_feedback, config.fragments) != before:
+            self.averagers = self._new_averagers()
+            self.averager = self.averagers[0]
+        self.outers = [] if config.plain_average else self._new_outers()
+        if old_outers and self.outers:
+            recut_outer_state(old_outers, old_fragments, self.outers, self.fragments, shards)
+        if config.overlap_steps and self.overlapper is None:
+            self.overlapper = Overlapper()
+        self.schedule = GraphSchedule(config)
 
     @property
     def outer(self) -> Optional[OuterOptimizer]:
@@ -118,19 +156,21 @@ class FederationEngine:
         return sync_due(step, interval, last, self.groups.layout.is_federated)
 
     def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None,
-                   figures: Optional[GroupFigures] = None) -> Optional[SyncResult]:
+                   figures: Optional[GroupFigures] = None, full: bool = False) -> Optional[SyncResult]:
         """Call after optimizer step `step` (1-based) with the group's figures of that step (or
-        just a `loss`); syncs when due and returns what it did. The vote lands in `self.vote`."""
+        just a `loss`); syncs when due and returns what it did. The vote lands in `self.vote`.
+        `full`: a due sync averages every fragment and blocks, as the last one does (before a
+        switch of sync mode)."""
         landed = None
-        if self.flight is not None and (step >= self.flight.due or last):
+        if self.flight is not None and (step >= self.flight.due or last or full):
             landed = self.land()
         if not self.due(step, last):
             return landed
         if figures is None:
             figures = GroupFigures(loss=None if loss is None else float(loss))
-        if self.overlapper is not None and not last:
+        if self.overlapper is not None and self.config.overlap_steps and not (last or full):
             return self._launch(step, figures) or landed
-        return self.sync(step, figures, full=last)
+        return self.sync(step, figures, full=last or full)
 
     def _meet(self, membership: Optional[Membership] = None) -> Membership:
         """The groups of this sync (in elastic mode the live ones, after any healing; given: met
@@ -167,7 +207,14 @@ class FederationEngine:
         consensus = self._measure() if self.config.measures_consensus else None
         fragment = self._due(step)
         averager = self.averagers[fragment]
-        average = lambda buffers: averager.average(buffers, include, contributors)  # noqa: E731
+
+        def average(buffers):
+            began = time.perf_counter()
+            time.sleep(sync_delay_seconds(step))  # a test's slowed link (FL_MEGATRON_FAULT=slow-sync)
+            stats = averager.average(buffers, include, contributors)
+            stats.exchange_seconds = time.perf_counter() - began
+            return stats
+
         self.flight = self.overlapper.launch(average, self.outers[fragment], self._fragments(shards)[fragment],
                                              step=step, due=step + self.config.overlap_steps, include=include,
                                              contributors=contributors, sick=tuple(sick), consensus=consensus,
@@ -273,6 +320,7 @@ class FederationEngine:
                 figures = GroupFigures(healing=True)
             sick, include, contributors = self._health(step, shards, figures, membership)
         kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
+        time.sleep(sync_delay_seconds(step))  # a test's slowed link (FL_MEGATRON_FAULT=slow-sync)
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
         moved: tuple = ()
@@ -318,21 +366,27 @@ class FederationEngine:
         """The sync's result. With DBench metrics: the bytes each group sent (an all-reduce at its
         ring size on the wire, the metric's sample too) go into the consensus record; without
         them the variance comes from the average itself (free)."""
+        groups = self.groups.layout.num_groups
+        wire = wire_volume(choice.graph, groups, stats.inter_group_bytes)
         if consensus is None:
             variance, rms = self._global_metrics(stats, shards)
-            return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
-                              variance, rms, sick, choice.graph, fragments=fragments)
-        groups = self.groups.layout.num_groups
-        self.ledger.add("inter-group", self.averager.peer_tier, consensus.sample_bytes)
-        wire = (wire_volume(choice.graph, groups, stats.inter_group_bytes)
-                + wire_volume("complete", groups, consensus.sample_bytes))
-        per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.device_type)
-        per_group[self.groups.coords[0]] = wire
-        self.groups.all_reduce_job(per_group)
-        consensus.group_bytes = [int(b) for b in per_group.tolist()]
-        rms = (sum(n * n for n in consensus.group_norms) / groups / max(1.0, consensus.elements)) ** 0.5
-        return SyncResult(step, time.perf_counter() - start, stats.inter_group_bytes, stats.intra_group_bytes,
-                          consensus.variance, rms, sick, choice.graph, consensus, fragments)
+        else:
+            self.ledger.add("inter-group", self.averager.peer_tier, consensus.sample_bytes)
+            wire += wire_volume("complete", groups, consensus.sample_bytes)
+            per_group = torch.zeros(groups, dtype=torch.float64, device=self.groups.device_type)
+            per_group[self.groups.coords[0]] = wire
+            self.groups.all_reduce_job(per_group)
+            consensus.group_bytes = [int(b) for b in per_group.tolist()]
+            variance = consensus.variance
+            rms = (sum(n * n for n in consensus.group_norms) / groups / max(1.0, consensus.elements)) ** 0.5
+        seconds = time.perf_counter() - start
+        by_tier = {self.averager.peer_tier: wire}
+        replicas = self.groups.layout.replicas
+        gathered = ring_volume("all_gather", stats.intra_group_bytes * replicas, replicas) if replicas > 1 else 0.0
+        by_tier[self.averager.replica_tier] = by_tier.get(self.averager.replica_tier, 0.0) + gathered
+        return SyncResult(step, seconds, stats.inter_group_bytes, stats.intra_group_bytes, variance, rms, sick,
+                          choice.graph, consensus, fragments, exchange_seconds=stats.exchange_seconds or seconds,
+                          wire_bytes_by_tier=by_tier)
 
     def _inner_state(self, stats: SyncStats, include: bool, contributors: Optional[int], sick: bool,
                      fragment: Optional[int] = None) -> None:

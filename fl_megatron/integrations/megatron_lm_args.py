@@ -22,6 +22,9 @@ from ..graph_fit import topology_problem
 
 _DEFAULTS = FederationConfig()
 _FIELDS = {f.name: f for f in dataclasses.fields(FederationConfig) if f.name != "num_groups"}
+_TUNE = ("the link probe and --fl-tune run in fl_megatron.pretrain's trainer, which measures its own steps; in "
+         "Megatron-LM choose --fl-sync-dtype, --fl-overlap-steps, --fl-fragments and H by hand (python -m "
+         "fl_megatron.pretrain --dry-run --fl-tune with your link figures prints what it would choose)")
 _ELASTIC = ("elastic federation groups (each group its own job, meeting over torchft's quorum) are built for "
             "fl_megatron.pretrain; in Megatron-LM every group is in one job, and a group that heals would need "
             "megatron's distributed optimizer state sent between jobs, which is not built")
@@ -36,6 +39,7 @@ REFUSED = {
                        "shards are still left out and reset)",
     **{name: _ELASTIC for name in ("elastic", "lighthouse", "group_id", "min_groups", "sync_digest",
                                    "quorum_timeout_minutes")},
+    **{f.name: _TUNE for f in dataclasses.fields(FederationConfig) if f.name == "link_probe" or f.name.startswith("tune")},
 }
 
 

@@ -5,12 +5,17 @@ per-rank memory estimate and communication per step and per sync from the formul
 `fl_megatron.costs`.
 """
 
+from typing import Optional
+
 from ..checkpoint import find_checkpoint, resume_source, source_groups
 from ..config import ResolvedRun, RunConfig
 from ..cost_model.compare import compare_text
+from ..cost_model.network import Cluster
+from ..cost_model.tune import Measured, SyncMode, TuneBounds, tune
 from ..cost_model.workload import gradient_bytes, workload_for
 from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes,
-                     saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm, sync_state_bytes, working_bytes)
+                     saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm, sync_state_bytes, sync_state_shards,
+                     working_bytes)
 from ..models import build_model
 from ..topology import Layout
 from .console import batch_line, federation_line
@@ -108,28 +113,66 @@ def _ada_lines(layout: Layout, num_params: int, fed) -> list[str]:
     return lines
 
 
+def model_sizes(model_cfg) -> tuple[tuple[int, int, int], int]:
+    """((parameters, those outside the blocks, blocks), parameters of the largest separately
+    gathered unit: a block or the root module), on the meta device."""
+    model = build_model(model_cfg, "meta")
+    num_params = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    root = num_params - sum(blocks)
+    return (num_params, root, len(blocks)), max(max(blocks), root)
+
+
+def memory_estimate(run: ResolvedRun, num_params: int, largest_layer_params: int, outer_state_shards: float,
+                    compressed: Optional[bool]) -> dict:
+    """The per-rank memory estimate of the dry run for a sync keeping `outer_state_shards` fp32
+    shards, compressed or not (None: no sync buffers, nothing syncs)."""
+    cfg, layout = run.cfg, run.layout
+    m, t, fed = cfg.model, cfg.training, cfg.federation
+    buffers = 0 if compressed is None else sync_buffer_bytes(min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
+                                                             compressed)
+    return estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
+                                    t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
+                                    optimizer=t.optimizer, largest_layer_params=largest_layer_params,
+                                    recompute=t.recompute_activations,
+                                    replicated_params=cfg.parallel.backend == "megatron",
+                                    grad_bytes=gradient_bytes(cfg), outer_state_shards=outer_state_shards,
+                                    # megatron-core's local layer spec attends unfused: it stores the s x s scores
+                                    flash_attention=cfg.parallel.backend != "megatron",
+                                    sync_buffer_bytes=buffers)
+
+
+def mode_memory(run: ResolvedRun, counts: tuple, largest: int, mode: SyncMode) -> float:
+    """The per-rank memory estimate of the run synced in `mode` (--fl-tune's memory bound)."""
+    fed = run.cfg.federation
+    plain = (fed.outer_optimizer == "fedavg" and fed.resolved_outer_lr == 1.0 and mode.sync_dtype == "fp32"
+             and not mode.overlap_steps)
+    shards = sync_state_shards(fed.outer_optimizer, plain, mode.error_feedback, bool(mode.overlap_steps),
+                               mode.fragments)
+    return memory_estimate(run, counts[0], largest, shards, mode.sync_dtype != "fp32")["total"]
+
+
+def _tune_lines(run: ResolvedRun, counts: tuple, largest: int) -> list[str]:
+    """What --fl-tune would choose at these link figures and the compute time from FLOPs (a run
+    probes its links and measures its steps, its codec and its votes instead)."""
+    cfg, fed = run.cfg, run.cfg.federation
+    bounds = TuneBounds(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval, fed.tune_overlap,
+                        fed.tune_max_fragments, cfg.cluster.device_memory_gib * 2**30)
+    choice = tune(bounds, run.layout, workload_for(run, counts=counts), Cluster.from_config(cfg.cluster), Measured(),
+                  fed.replica_split, lambda mode: mode_memory(run, counts, largest, mode), fed.tune_tolerance)
+    return [f"  fl-tune at these link figures (a run probes its links and measures its steps): {choice.text()}", ""]
+
+
 def dry_run_report(run: ResolvedRun) -> str:
     """The text --dry-run prints."""
     cfg, layout, accum = run.cfg, run.layout, run.accumulation
     m, t, fed = cfg.model, cfg.training, cfg.federation
-    model = build_model(m, "meta")
-    num_params = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in block.parameters()) for block in model.layers)
-    root = num_params - sum(sum(p.numel() for p in b.parameters()) for b in model.layers)
+    counts, largest = model_sizes(m)
+    num_params = counts[0]
     param_bytes = working_bytes(t.bf16)
-    memory = estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
-                                      t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
-                                      optimizer=t.optimizer, largest_layer_params=max(largest, root),
-                                      recompute=t.recompute_activations,
-                                      replicated_params=cfg.parallel.backend == "megatron",
-                                      grad_bytes=gradient_bytes(cfg),
-                                      outer_state_shards=fed.outer_state_shards if fed.syncing and layout.is_federated else 0,
-                                      # megatron-core's local layer spec attends unfused: it stores the s x s scores
-                                      flash_attention=cfg.parallel.backend != "megatron",
-                                      sync_buffer_bytes=sync_buffer_bytes(
-                                          min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
-                                          fed.sync_dtype != "fp32")
-                                      if fed.syncing and layout.is_federated else 0)
+    syncing = fed.syncing and layout.is_federated
+    memory = memory_estimate(run, num_params, largest, fed.outer_state_shards if syncing else 0,
+                             fed.sync_dtype != "fp32" if syncing else None)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
@@ -167,8 +210,9 @@ def dry_run_report(run: ResolvedRun) -> str:
         "",
         *meeting_lines(run, num_params),
         "",
-        compare_text(run, workload_for(run, counts=(num_params, root, len(model.layers)))),
+        compare_text(run, workload_for(run, counts=counts)),
         "",
+        *(_tune_lines(run, counts, largest) if fed.tune and h else []),
         *_start_lines(run),
         _checkpoint_line(cfg, layout, num_params),
     ]

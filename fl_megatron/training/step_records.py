@@ -24,8 +24,10 @@ class Interval:
 
 
 def step_record(step: int, tokens_per_step: int, elapsed: float, loss: float, grad_norm: float, lr: float,
-                tokens_per_s: float, sync: Optional[SyncResult], bytes_so_far: dict) -> dict:
-    """The fields every step record has, and the sync's when this step synced."""
+                tokens_per_s: float, sync: Optional[SyncResult], bytes_so_far: dict,
+                interval_seconds: Optional[float] = None) -> dict:
+    """The fields every step record has, and the sync's when this step synced. `interval_seconds`:
+    the wall time the record covers (the sync's share of it is the time spent waiting on it)."""
     record = {
         "step": step, "tokens": step * tokens_per_step, "elapsed_s": elapsed,
         "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
@@ -34,6 +36,7 @@ def step_record(step: int, tokens_per_step: int, elapsed: float, loss: float, gr
     }
     if sync is not None:
         record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+        record.update(sync_telemetry(sync, interval_seconds))
         if sync.sick_groups:
             record["sick_groups"] = list(sync.sick_groups)
         if sync.fragments:
@@ -53,3 +56,16 @@ def vote_figures(vote: Vote) -> tuple[float, float, dict]:
     fields = {"group_losses": vote.losses, "group_grad_norms": vote.grad_norms,
               "loss_spread": (max(losses) - min(losses)) if losses else float("nan")}
     return mean(losses), mean(norms), fields
+
+
+def sync_telemetry(sync: SyncResult, interval_seconds: Optional[float]) -> dict:
+    """Per tier, the bytes/s this rank's exchange achieved on the wire (its bytes over the time the
+    exchange took, in the background for an overlapped sync), and the fraction of the record's wall
+    time that training waited on the sync."""
+    out = {"sync_exchange_seconds": sync.exchange_seconds}
+    for tier, nbytes in sorted(sync.wire_bytes_by_tier.items()):
+        if nbytes and sync.exchange_seconds > 0:
+            out[f"sync_{tier.replace('-', '_')}_bytes_per_s"] = nbytes / sync.exchange_seconds
+    if interval_seconds:
+        out["sync_wait_fraction"] = min(1.0, sync.seconds / interval_seconds)
+    return out

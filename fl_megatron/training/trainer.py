@@ -14,11 +14,15 @@ from ..checkpoint import Checkpointer
 from .initial_values import initial_values_for
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
+from ..cost_model.calibrate import cluster_from_probe, dry_run_flags
+from ..cost_model.network import Cluster
+from ..cost_model.tune import PRECISIONS
 from ..data import eval_batches
 from ..faults import delay_seconds, lockstep, nan_requested
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from ..federation.failed_collective import is_failed_collective
 from ..federation.health import GroupFigures
+from ..federation.link_probe import probe_links
 from ..federation.membership import TooFewGroups
 from .console import batch_line, federation_line, format_duration, progress_line, say
 from .dashboards import Dashboards, RunRecords
@@ -30,6 +34,7 @@ from .memory import peak_memory_bytes, peak_memory_kind
 from .run_data import next_token_loss, open_run_data
 from .run_files import RunFiles
 from .step_records import Interval, step_record, vote_figures
+from .tuning import SyncTuner, current_mode, probe_line, resumed_choice
 from .stopping import StopPolicy
 
 
@@ -76,11 +81,15 @@ class Trainer:
         self.group = self.groups.coords[0]
         # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
         self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)
+        self.tuner, tune_state = self._probe_and_tune()
         initial = initial_values_for(run, say if self.is_writer else None)
         self.backend = make_backend(run, self.groups, self.device, initial)
         self.ledger = CommLedger()
         self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
+        if self.tuner is not None:
+            self.checkpointer.tune_state = self.tuner.state
+            self.tuner.load_state(tune_state)
         self.start_step = self.checkpointer.resume(lambda text: say(text, self.is_writer))
         self.healing.backend, self.healing.engine = self.backend, self.engine
         self.healing.step = self.healing.last_sync = self.start_step
@@ -102,8 +111,9 @@ class Trainer:
         """The rank's groups; in elastic mode this job's own, and torchft's tier to the others."""
         cfg = self.cfg
         if not self.elastic:
+            fed = cfg.federation
             return build_process_groups(self.layout, self.device.type, timeout,
-                                        exchange=bool(cfg.federation.overlap_steps),
+                                        exchange=bool(fed.overlap_steps) or (fed.tune and fed.tune_overlap),
                                         async_checkpoint=cfg.checkpoint.async_save)
         from ..elastic import build_elastic_process_groups, join_tier
 
@@ -111,6 +121,28 @@ class Trainer:
                          self.healing.source, self.healing.receive, lambda: self.healing.step)
         return build_elastic_process_groups(self.layout, self.env.rank, self.device.type, tier, timeout,
                                             async_checkpoint=cfg.checkpoint.async_save)
+
+    def _probe_and_tune(self) -> tuple[Optional[SyncTuner], dict]:
+        """The start-up link probe (federated, syncing runs), its line in the banner and config.json,
+        and with --fl-tune the tuner, in the mode a resumed checkpoint chose (and its state)."""
+        fed = self.cfg.federation
+        if not (self.federated and fed.syncing and fed.link_probe) or self.elastic:
+            return None, {}
+        codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
+        probe = probe_links(self.groups, self.device, codecs)
+        cluster = cluster_from_probe(self.layout, probe, Cluster.from_config(self.cfg.cluster))
+        say(probe_line(probe, cluster), self.is_writer)
+        self.files.write_config(config_to_json(self.cfg, {"link_probe": {**probe.to_dict(),
+                                                                         "dry_run_flags": dry_run_flags(cluster)}}))
+        if not fed.tune:
+            return None, {}
+        mode, state = resumed_choice(self.cfg.checkpoint)
+        if mode:
+            for name, value in mode.items():
+                setattr(fed, name, value)
+            say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {current_mode(fed).label()}",
+                self.is_writer)
+        return SyncTuner(self.run, self.groups, probe, lambda text: say(text, self.is_writer)), state
 
     def _join(self) -> Optional[SyncResult]:
         """Elastic mode, at start-up: meet the live groups. At a fresh start every group is at step
@@ -210,7 +242,10 @@ class Trainer:
         if pause:
             time.sleep(pause)
         lr = learning_rate(step, t)
+        began = time.perf_counter()
         loss, norm, lr = self._measured(self._step_traffic, lambda: self._train_step(step, lr))
+        if self.tuner is not None:
+            self.tuner.observe_step(time.perf_counter() - began)
         if nan_requested(self.group, done):  # a sick group, for tests (FL_MEGATRON_FAULT)
             with torch.no_grad():
                 self.backend.local_shards()[0].view(-1)[0] = math.nan
@@ -220,10 +255,13 @@ class Trainer:
         if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
             figures = self._group_figures(done, loss, norm)
         self.phases.enter("sync", done)
+        switch = self.tuner.decide(done) if self.tuner is not None and voting and not last else None
         try:
-            sync = self.engine.after_step(done, last=last, loss=loss, figures=figures)
+            sync = self.engine.after_step(done, last=last, loss=loss, figures=figures, full=switch is not None)
         except TooFewGroups as e:  # every rank of the group waited out the same quorum: the step stands
             return StepOutcome(loss, norm, lr, None, figures, e)
+        if self.tuner is not None:
+            self._after_tuning(done, sync, switch)
         if lockstep():  # the coupled loop, for the benchmark's "before" row
             dist.all_reduce(torch.zeros(2, device=self.device))
         if sync is not None and self.elastic:
@@ -232,6 +270,17 @@ class Trainer:
             say(f"  step {done}: federation group(s) {', '.join(map(str, sync.sick_groups))} left out of the "
                 "average (non-finite shards or a diverged loss) and reset to the others' average", self.is_writer)
         return StepOutcome(loss, norm, lr, sync, figures)
+
+    def _after_tuning(self, done: int, sync: Optional[SyncResult], switch: Optional[dict]) -> None:
+        """Switch mode after the full sync a new choice asked for; record the decision; let the
+        tuner see the scheduled syncs."""
+        if switch is not None:
+            self.engine.switch_mode(**switch)
+        elif sync is not None:
+            self.tuner.observe_sync(sync.exchange_seconds)
+        record, self.tuner.last_record = self.tuner.last_record, None
+        if record is not None and self.is_writer:
+            self.records.log(record)
 
     def _elastic_sync(self, sync: SyncResult) -> None:
         """Who met at `sync`: console lines and the fields its records carry (elastic mode)."""
@@ -423,7 +472,7 @@ class Trainer:
             steps, seconds = intervals[0].take(now)
             group_tokens = per_step // self.layout.num_groups
             record = step_record(done, per_step, elapsed, figures.loss, figures.grad_norm, outcome.lr,
-                                 steps * group_tokens / max(seconds, 1e-9), sync, self.ledger.snapshot())
+                                 steps * group_tokens / max(seconds, 1e-9), sync, self.ledger.snapshot(), seconds)
             if self.federated:
                 self.files.log_group({"group": self.group, **record})
                 if self.is_writer and vote is None:
@@ -437,7 +486,7 @@ class Trainer:
             else:  # an overlapped sync landing: its figures were recorded at its launch
                 loss, norm, groups = None, None, {}
             record = step_record(done, per_step, elapsed, loss, norm, outcome.lr,
-                                 steps * per_step / max(seconds, 1e-9), sync, self.ledger.snapshot())
+                                 steps * per_step / max(seconds, 1e-9), sync, self.ledger.snapshot(), seconds)
             if self.elastic and sync is not None:
                 groups = {**groups, **self._membership_fields}
             self._log_federation({k: v for k, v in {**record, **groups}.items() if v is not None}, sync, eta)

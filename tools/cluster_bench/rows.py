@@ -56,6 +56,8 @@ def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     if h % 2 == 0 and h >= 4:  # Streaming DiLoCo's schedule: half the shards every H/2 steps
         rows.append(Row("fl-fsdp-int4-frag2-overlap", "FL+FSDP, int4 + EF, 2 fragments, overlap 1", rpn, None, h,
                         extra=(*int4, "--fl-fragments", "2", "--fl-overlap-steps", "1")))
+    rows.append(Row("fl-fsdp-tune", "FL+FSDP, --fl-tune (int4 allowed)", rpn, None, h,
+                    extra=("--fl-tune", "--fl-tune-lowest-precision", "int4")))
     if nodes >= 4 and rpn > 1 and nodes % 2 == 0:  # groups of two nodes: P = 2 replicas of a node's shard
         g = 2 * rpn
         rows.append(Row("fl-hsdp-naive", f"FL+HSDP {world // g}x(2x{rpn}) naive", g, rpn, h, replica_split=False))

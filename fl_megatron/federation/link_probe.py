@@ -1,0 +1,130 @@
+"""The start-up link probe: timed all-reduces over the peer group (the links between federation
+groups) and over the federation group (the links inside one), and the sync codec's speed.
+
+Each probed group runs a tiny all-reduce (its time is latency) and all-reduces of growing
+payloads until one takes long enough to measure bandwidth or reaches the largest payload; the
+ranks of a group agree on every decision (the slowest rank's time), so they run the same
+collectives. The figures are the slowest rank's of the whole job (reduced inside the group, then
+over the peer group, as every cross-group figure is), so every rank holds the same numbers.
+`fl_megatron.cost_model.calibrate` turns them into the cost model's link speeds.
+"""
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..topology import federation_groups, spans_nodes
+from .compression import dequantize, quantize
+from .groups import ProcessGroups
+
+SMALL_REPEATS = 5
+PAYLOAD_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+LONG_ENOUGH_S = 0.05  # a payload that takes this long measures bandwidth well enough
+CODEC_ELEMENTS = 1 << 20
+
+
+@dataclass
+class GroupTiming:
+    """One probed group: its kind, size and tier, the tiny all-reduce's seconds and the largest
+    payload's (bytes, seconds), the median of its repeats and the slowest rank's."""
+
+    group: str
+    ranks: int
+    tier: str
+    small_seconds: float = 0.0
+    payload_bytes: int = 0
+    payload_seconds: float = 0.0
+
+
+@dataclass
+class LinkProbe:
+    """What the probe measured: a timing per probed group, the codec's seconds per shard element
+    (encode and decode, twice: what a compressed sync does), and the probe's own duration."""
+
+    timings: list = field(default_factory=list)
+    codec_seconds_per_element: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinkProbe":
+        return cls([GroupTiming(**t) for t in d.get("timings", [])], dict(d.get("codec_seconds_per_element", {})),
+                   float(d.get("seconds", 0.0)))
+
+    def timing(self, group: str) -> Optional[GroupTiming]:
+        return next((t for t in self.timings if t.group == group), None)
+
+
+def _timed_all_reduce(buf: torch.Tensor, group, repeats: int, agree) -> float:
+    """The median over `repeats` of one all-reduce of `buf`, each the slowest rank's of the job."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        times.append(agree(time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def probe_group(name: str, group, ranks: int, tier: str, device: torch.device, agree, repeats: int = 2) -> GroupTiming:
+    """Latency and bandwidth of one group. `agree(seconds)` returns the slowest rank's of the job,
+    so every rank makes the same decisions and records the same figures."""
+    timing = GroupTiming(name, ranks, tier)
+    if ranks < 2:
+        return timing
+    timing.small_seconds = _timed_all_reduce(torch.zeros(1, device=device), group, SMALL_REPEATS, agree)
+    for nbytes in PAYLOAD_BYTES:
+        seconds = _timed_all_reduce(torch.ones(nbytes // 4, device=device), group, repeats, agree)
+        timing.payload_bytes, timing.payload_seconds = nbytes, seconds
+        if seconds >= LONG_ENOUGH_S:
+            break
+    return timing
+
+
+def codec_seconds(device: torch.device, dtypes: tuple) -> dict:
+    """Seconds per element of encoding and decoding twice (a compressed sync encodes its piece
+    and the mean, and decodes both) for each of `dtypes`; fp32 costs nothing."""
+    x = torch.randn(CODEC_ELEMENTS, device=device)
+    out = {}
+    for dtype in dtypes:
+        if dtype == "fp32":
+            continue
+        start = time.perf_counter()
+        for _ in range(2):
+            if dtype == "bf16":
+                x.to(torch.bfloat16).float()
+            else:
+                bits = 8 if dtype == "int8" else 4
+                dequantize(*quantize(x, bits), bits=bits)
+        if x.is_cuda:
+            torch.cuda.synchronize(device)
+        out[dtype] = (time.perf_counter() - start) / CODEC_ELEMENTS
+    return out
+
+
+def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple = ()) -> LinkProbe:
+    """Probe the peer group and the federation group (every rank calls this at the same point)."""
+    start = time.perf_counter()
+    layout = groups.layout
+
+    def agree(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        groups.all_reduce_job(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    fed_ranks = federation_groups(layout)[groups.coords[0]]
+    timings = [probe_group("peer", groups.peer, layout.num_groups, groups.tier("peer"), device, agree),
+               probe_group("federation", groups.federation, layout.group_size,
+                           "inter-node" if spans_nodes(layout, fed_ranks) else "intra-node", device, agree)]
+    codec = {dtype: agree(s) for dtype, s in codec_seconds(device, codec_dtypes).items()}
+    return LinkProbe(timings, codec, time.perf_counter() - start)

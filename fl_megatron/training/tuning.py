@@ -1,0 +1,187 @@
+"""--fl-tune in a run: choose the sync mode at the first sync from the probed links and the measured
+step time, then every --fl-tune-every syncs compare the measured syncs with the prediction and
+choose again when the links changed. A choice is applied at a sync boundary: that sync averages
+every fragment and blocks, then the engine switches mode (docs/sync-modes.md, "Let it choose").
+
+Every rank decides the same: the figures a decision uses are the slowest rank's of the job
+(reduced inside the group, then over the peer group, at a sync step where the groups meet
+anyway), and the rule is a pure function of them.
+"""
+
+import dataclasses
+import statistics
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import find_checkpoint, resume_source
+from ..config import ResolvedRun
+from ..cost_model.calibrate import dry_run_flags
+from ..cost_model.calibrate import cluster_from_probe, rescale_tier
+from ..cost_model.network import Cluster
+from ..cost_model.tune import Measured, ModeEstimate, SyncMode, TuneBounds, TuneChoice, estimate, tune
+from ..cost_model.workload import workload_for
+from ..federation.groups import ProcessGroups
+from ..federation.link_probe import LinkProbe
+from .dry_run import mode_memory, model_sizes
+
+WARMUP_STEPS = 1  # steps left out of the measured step time (the first one builds and warms up)
+
+
+def current_mode(fed) -> SyncMode:
+    return SyncMode(fed.sync_dtype, fed.overlap_steps, fed.fragments, fed.sync_interval)
+
+
+class SyncTuner:
+    """One rank's view of --fl-tune. `decide` runs at every due sync (before it), `observe_*`
+    after every step and sync; `state`/`load_state` go with checkpoints."""
+
+    def __init__(self, run: ResolvedRun, groups: ProcessGroups, probe: LinkProbe, say: Callable[[str], None]) -> None:
+        self.run, self.groups, self.say = run, groups, say
+        fed = run.cfg.federation
+        self.bounds = TuneBounds(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval,
+                                 fed.tune_overlap, fed.tune_max_fragments, run.cfg.cluster.device_memory_gib * 2**30)
+        self.cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
+        small = sum(t.small_seconds for t in probe.timings)
+        self.measured = Measured(dict(probe.codec_seconds_per_element), 2 * small)  # the vote: group, then peers
+        self.counts, self.largest = model_sizes(run.cfg.model)
+        self.num_params = self.counts[0]
+        self.step_seconds: list[float] = []
+        self.sync_seconds: list[float] = []
+        self.decided = False
+        self.calibrated = False  # whether measured syncs corrected the probed link speed yet
+        self.syncs_since_check = 0
+        self.last_record: Optional[dict] = None  # the last decision, for metrics.jsonl
+
+    # --- what the run measured ------------------------------------------------------------
+    def observe_step(self, seconds: float) -> None:
+        """The wall time of one optimizer step's forward, backward and update on this rank."""
+        self.step_seconds.append(seconds)
+        del self.step_seconds[:-64]
+
+    def observe_sync(self, exchange_seconds: float) -> None:
+        self.sync_seconds.append(exchange_seconds)
+        self.syncs_since_check += 1
+
+    # --- deciding -------------------------------------------------------------------------
+    def decide(self, step: int) -> Optional[dict]:
+        """At a due sync after `step`: the new mode's FederationConfig fields when the mode should
+        change (this sync then averages every fragment and blocks, and the caller switches after
+        it), else None. Logs every decision."""
+        fed = self.run.cfg.federation
+        if self.decided and not (fed.tune_every and self.syncs_since_check >= fed.tune_every):
+            return None
+        measured_steps = self.step_seconds[WARMUP_STEPS:] or self.step_seconds
+        if not measured_steps:
+            return None
+        agreed = torch.tensor([statistics.median(measured_steps),
+                               statistics.median(self.sync_seconds) if self.sync_seconds else 0.0],
+                              dtype=torch.float64, device=self.groups.device_type)
+        self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
+        step_s, sync_s = agreed.tolist()
+        reason = "first choice, from the probed links and the measured step time"
+        if self.decided:
+            reason = self._recheck(step_s, sync_s)
+        self.syncs_since_check, self.sync_seconds = 0, []
+        if reason is None:
+            return None
+        self.decided = True
+        choice = self._choose(step_s)
+        mode, now = choice.chosen.mode, current_mode(fed)
+        change = mode != now
+        self.say(f"  fl-tune at step {step}: {reason}; " + ("switching to " if change else "keeping ")
+                 + choice.text())
+        self.last_record = {"step": step, "tune": {
+            "reason": reason, "mode": mode.fields(), "label": mode.label(), "switched": change,
+            "predicted_tokens_per_s": choice.chosen.tokens_per_s,
+            "predicted_sync_seconds": choice.chosen.sync_seconds,
+            "runner_up": choice.runner_up.mode.label() if choice.runner_up else None,
+            "runner_up_tokens_per_s": choice.runner_up.tokens_per_s if choice.runner_up else None,
+            "measured_step_seconds": step_s, "inter_node_gbps": self.cluster.inter_node_gbps,
+            "intra_node_gbps": self.cluster.intra_node_gbps}}
+        return mode.fields() if change else None
+
+    def _recheck(self, step_s: float, sync_s: float) -> Optional[str]:
+        """Why to choose again, or None. The measured exchange time against the one predicted for
+        the current mode, compared by their network parts. The first check after the first choice
+        calibrates: the tier the sync crosses takes the speed the syncs showed (the probe's short
+        collectives miss what a real sync meets). Later checks choose again only when the ratio
+        leaves [1 / (1 + threshold), 1 + threshold]: the links changed."""
+        if sync_s <= 0:
+            return None
+        predicted = self._estimate(current_mode(self.run.cfg.federation), step_s)
+        other = predicted.sync_seconds - predicted.network_seconds  # the codec's and the vote's
+        network_predicted = max(predicted.network_seconds, 1e-9)
+        network_measured = max(sync_s - other, 1e-9)
+        ratio = network_measured / network_predicted
+        threshold = self.run.cfg.federation.tune_threshold
+        if self.calibrated and 1 / (1 + threshold) <= ratio <= 1 + threshold:
+            return None
+        tier = self.groups.tier("peer")
+        rescaled = rescale_tier(self.cluster, tier, network_predicted, network_measured)
+        if rescaled is None:
+            return None
+        self.cluster = rescaled
+        gbps = rescaled.inter_node_gbps if tier == "inter-node" else rescaled.intra_node_gbps
+        why = (f"the syncs took {sync_s:.3g} s against {predicted.sync_seconds:.3g} s predicted (x{ratio:.2f}"
+               + (f", past 1 + {threshold:g}): the links changed" if self.calibrated else "): calibrating")
+               + f"; the {tier} links re-estimated at {gbps * 1e3:.4g} Mbit/s")
+        self.calibrated = True
+        return why
+
+    def _estimate(self, mode: SyncMode, step_s: float) -> ModeEstimate:
+        fed = self.run.cfg.federation
+        return estimate(mode, self.run.layout, workload_for(self.run, step_s, self.counts), self.cluster,
+                        self.measured, fed.replica_split, step_seconds=step_s)
+
+    def _choose(self, step_s: float) -> TuneChoice:
+        fed = self.run.cfg.federation
+        return tune(self.bounds, self.run.layout, workload_for(self.run, step_s, self.counts), self.cluster,
+                    self.measured, fed.replica_split, lambda mode: mode_memory(self.run, self.counts, self.largest, mode),
+                    fed.tune_tolerance, step_seconds=step_s)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"decided": self.decided, "calibrated": self.calibrated, "syncs_since_check": self.syncs_since_check,
+                "inter_node_gbps": self.cluster.inter_node_gbps, "intra_node_gbps": self.cluster.intra_node_gbps}
+
+    def load_state(self, state: dict) -> None:
+        """Continue a resumed run: the choice stands (its mode came with the checkpoint's config);
+        the next re-check comes after the syncs still due."""
+        self.decided = bool(state.get("decided", False))
+        self.calibrated = bool(state.get("calibrated", False))
+        self.syncs_since_check = int(state.get("syncs_since_check", 0))
+        if self.calibrated:  # the speeds the syncs showed, not the new probe's
+            self.cluster = dataclasses.replace(self.cluster, inter_node_gbps=state["inter_node_gbps"],
+                                               intra_node_gbps=state["intra_node_gbps"])
+
+
+def probe_line(probe: LinkProbe, cluster: Cluster) -> str:
+    """The banner's lines: what the probe measured per group, and the figures as --dry-run flags."""
+    parts = []
+    for t in probe.timings:
+        if t.ranks < 2:
+            continue
+        rate = t.payload_bytes * 8 / max(t.payload_seconds - t.small_seconds, 1e-9) / 1e6
+        parts.append(f"{t.group} group ({t.ranks} ranks, {t.tier}): {t.small_seconds * 1e6:,.0f} us for a tiny "
+                     f"all-reduce, {t.payload_bytes >> 10:,} KiB in {t.payload_seconds * 1e3:,.1f} ms "
+                     f"({rate:,.0f} Mbit/s of payload)")
+    codec = ", ".join(f"{k} {v * 1e9:.2f} ns/element" for k, v in probe.codec_seconds_per_element.items())
+    return ("  links (probed in {:.2f} s): ".format(probe.seconds) + "; ".join(parts)
+            + (f"; codec {codec}" if codec else "")
+            + f"\n    as --dry-run flags: {dry_run_flags(cluster)}")
+
+
+def resumed_choice(options) -> tuple[dict, dict]:
+    """(the sync mode fields, the tuner's state) of the checkpoint this run resumes, if its run
+    tuned; else ({}, {})."""
+    source = resume_source(options)
+    if source is None:
+        return {}, {}
+    _, meta = find_checkpoint(*source)
+    state = meta.get("federation", {}).get("tune")
+    if state is None:
+        return {}, {}
+    saved = meta["config"]["federation"]
+    return {k: saved[k] for k in SyncMode("fp32", 0, 1, 1).fields() if k in saved}, state

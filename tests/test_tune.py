@@ -1,0 +1,73 @@
+"""--fl-tune in a run: the link probe, per-tier telemetry, a re-choice when a link slows down (a
+delay injected into every sync's exchange) and a resumed run that keeps the choice."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_utils import SGD, launch
+
+pytestmark = pytest.mark.timeout(600)
+
+H = 2
+FLAGS = [*SGD, "--train-iters", "20", "--fl-group-size", "2", "--fl-sync-interval", str(H), "--fl-tune",
+         "--fl-tune-every", "2", "--save-interval", "16"]
+SLOW_FROM = 9  # every sync from this step on sleeps a second: a link that slowed down
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_slowed_link_is_re_chosen_at_a_sync_and_a_resumed_run_keeps_the_choice(tmp_path):
+    env = {"FL_MEGATRON_FAULT": f"slow-sync:1.0@{SLOW_FROM}"}
+    first = launch(4, tmp_path / "a", tmp_path / "cache", *FLAGS, "--save", str(tmp_path / "ckpt"), env_extra=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    records = _records(tmp_path / "a")
+    decisions = [r for r in records if "tune" in r]
+    assert decisions[0]["tune"]["reason"].startswith("first choice") and decisions[0]["step"] == H
+    # every decision is at a sync step; the links' change is seen at the first check with a slowed sync in it
+    syncs = [r["step"] for r in records if r.get("synced")]
+    assert all(d["step"] % H == 0 for d in decisions), decisions
+    changed = [d for d in decisions if "the links changed" in d["tune"]["reason"]]
+    assert changed and SLOW_FROM < changed[0]["step"] <= SLOW_FROM + 3 * H, [d["tune"]["reason"] for d in decisions]
+    assert "fl-tune at step" in first.stdout and "the links changed" in first.stdout
+
+    # the probe: in config.json, and the banner
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    peer = next(t for t in config["link_probe"]["timings"] if t["group"] == "peer")
+    assert peer["ranks"] == 2 and peer["payload_bytes"] > 0 and peer["payload_seconds"] > peer["small_seconds"] > 0
+    assert "--intra-node-gbps" in config["link_probe"]["dry_run_flags"] and "links (probed in" in first.stdout
+
+    # telemetry of every sync: bytes/s on the wire by tier; the wait's share of the record's time. Over 2
+    # groups a ring all-reduce (or an all-to-all and all-gather of the encoding) puts 2 x 1/2 of the payload
+    # on the wire, so the bytes/s times the exchange's seconds is the payload the ledger counted since the
+    # sync record before (not across the save at 16: an overlapped sync in flight lands in the save, unrecorded)
+    sync_records = [r for r in records if r.get("synced")]
+    assert all(0 < r["sync_wait_fraction"] <= 1 and r["sync_intra_node_bytes_per_s"] > 0 for r in sync_records)
+    for before, r in zip(sync_records, sync_records[1:]):
+        if before["step"] < 16 <= r["step"]:
+            continue
+        moved = r["inter_group_bytes"] - before["inter_group_bytes"]
+        assert r["sync_intra_node_bytes_per_s"] * r["sync_exchange_seconds"] == pytest.approx(moved, rel=1e-6), r
+    assert syncs[-1] == 20
+
+    # resumed from step 16: the mode the first run was in at 16, and no first choice again
+    modes = [d["tune"]["mode"] for d in decisions if d["tune"]["switched"] and d["step"] <= 16]
+    saved = json.loads((tmp_path / "ckpt" / "iter_0000016" / "metadata.json").read_text())
+    assert saved["federation"]["tune"]["decided"] is True
+    if modes:
+        assert {k: saved["config"]["federation"][k] for k in modes[-1]} == modes[-1]
+    second = launch(4, tmp_path / "b", tmp_path / "cache", *FLAGS, "--load", str(tmp_path / "ckpt"),
+                    "--load-iteration", "16", "--save", str(tmp_path / "ckpt-b"), env_extra=env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    label = next(line for line in second.stdout.splitlines() if "resuming in the mode" in line)
+    assert label.split(": ")[-1] == _label(saved["config"]["federation"]), label
+    assert not any(r["tune"]["reason"].startswith("first choice") for r in _records(tmp_path / "b") if "tune" in r)
+
+
+def _label(fed: dict) -> str:
+    from fl_megatron.cost_model.tune import SyncMode
+
+    return SyncMode(fed["sync_dtype"], fed["overlap_steps"], fed["fragments"], fed["sync_interval"]).label()
