@@ -16,7 +16,7 @@ LAYOUT = make_layout(4, 2, 2)
 PARAMS = 100_000_000
 WORK = Workload(num_params=PARAMS, regathered_params=PARAMS, units=10, param_bytes=4, grad_bytes=4, micro_batches=1,
                 tokens_per_step=8192, compute_seconds=0.5)
-MEASURED = Measured({"bf16": 0.5e-9, "int8": 2e-9, "int4": 3e-9}, seconds_per_sync=0.002)
+MEASURED = Measured({"bf16": 0.5e-9, "int8": 2e-9, "int4": 3e-9}, seconds_per_sync=0.002, overlap_interference=0.3)
 
 
 def _cluster(inter_gbps: float) -> Cluster:
@@ -24,13 +24,17 @@ def _cluster(inter_gbps: float) -> Cluster:
 
 
 def _tokens_per_s_by_hand(mode: SyncMode, cluster: Cluster) -> float:
-    """The cost model's step and sync, then the measured codec and fixed time, written out."""
+    """The cost model's step and sync, then the measured codec and fixed time, written out: an
+    overlap hides the links' part behind K steps, which it slows by the interference."""
     wire = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}[mode.sync_dtype]
     variant = Variant("x", LAYOUT, mode.sync_interval, True, mode.overlap_steps, "complete", mode.fragments)
     p = predict(variant, dataclasses.replace(WORK, master_bytes=wire), cluster)
-    sync = (p.sync_seconds + MEASURED.seconds_per_sync
-            + MEASURED.codec_seconds_per_element.get(mode.sync_dtype, 0.0) * (PARAMS / mode.fragments) / 2)
-    exposed = max(0.0, sync - mode.overlap_steps * p.step_seconds)
+    codec = MEASURED.codec_seconds_per_element.get(mode.sync_dtype, 0.0) * (PARAMS / mode.fragments) / 2
+    exposed = p.sync_seconds + MEASURED.seconds_per_sync + codec
+    if mode.overlap_steps:
+        window = mode.overlap_steps * p.step_seconds
+        exposed = (MEASURED.seconds_per_sync + codec + max(0.0, p.sync_seconds - window)
+                   + 0.3 * min(p.sync_seconds, window))
     return WORK.tokens_per_step / (p.step_seconds + exposed / (mode.sync_interval // mode.fragments))
 
 
@@ -92,6 +96,16 @@ def test_every_bound_is_respected():
     assert {e.mode for e in fits.over_memory} == {m for m in candidate_modes(bounds) if by_hand(m) > 2.0}
     with pytest.raises(ValueError, match="no sync mode fits in memory"):
         _choice(slow, dataclasses.replace(bounds, memory_limit_bytes=1.0), memory_of=lambda m: 2.0 + memory_of(m))
+
+
+def test_an_overlap_that_slows_compute_as_much_as_it_hides_is_never_chosen():
+    """With an interference of 1 an overlapped mode can only tie its blocking twin: never chosen."""
+    bounds = TuneBounds(lowest_precision="int4", sync_interval=8)
+    for gbps in (0.01, 0.1, 1.0, 10.0):
+        free = tune(bounds, LAYOUT, WORK, _cluster(gbps), dataclasses.replace(MEASURED, overlap_interference=0.0))
+        costly = tune(bounds, LAYOUT, WORK, _cluster(gbps), dataclasses.replace(MEASURED, overlap_interference=1.0))
+        assert costly.chosen.mode.overlap_steps == 0, costly.text()
+        assert costly.chosen.tokens_per_s <= free.chosen.tokens_per_s * (1 + 1e-12)
 
 
 def test_the_rule_prefers_exactness_only_within_the_tolerance():

@@ -3,12 +3,14 @@ measured links and compute (pure Python, so it is tested on hand-made link figur
 
 A mode is a sync precision (fp32, bf16, or int8/int4 with error feedback), an overlap of 0 or
 K steps, a number of fragments N and H. Every allowed mode is predicted with the cost model's
-step and sync times plus two measured terms the network model has no part for: the codec's
-time per element (encoding and decoding int8/int4/bf16) and a fixed time per sync (the vote's
-and the metrics' small collectives). The rule takes the fastest mode, then prefers the most
-exact one predicted within `tolerance` of it: a smaller H first, then a finer precision, no
-overlap, fewer fragments. So on fast links it keeps fp32 at the given H, and the slower the
-links the more compression, overlap and fragments it takes, never past the user's bounds.
+step and sync times plus three measured terms the network model has no part for: the codec's
+time per element (encoding and decoding int8/int4/bf16), a fixed time per sync (the vote's
+small collectives) and how much an exchange running beside compute slows it. An overlap hides
+the links' part of a sync behind K steps, at that slowdown; the codec and the vote stay exposed.
+The rule takes the fastest mode, then prefers the most exact one predicted within `tolerance`
+of it: a smaller H first, then a finer precision, no overlap, fewer fragments. So on fast links
+it keeps fp32 at the given H, and the slower the links the more compression, overlap and
+fragments it takes, never past the user's bounds.
 """
 
 import dataclasses
@@ -126,6 +128,7 @@ class Measured:
 
     codec_seconds_per_element: Mapping[str, float] = dataclasses.field(default_factory=dict)
     seconds_per_sync: float = 0.0
+    overlap_interference: float = 0.0  # compute lost per second of an exchange running beside it
 
 
 def estimate(mode: SyncMode, layout: Layout, work: Workload, cluster: Cluster, measured: Measured,
@@ -142,7 +145,13 @@ def estimate(mode: SyncMode, layout: Layout, work: Workload, cluster: Cluster, m
     sync = (prediction.sync_seconds + measured.seconds_per_sync
             + measured.codec_seconds_per_element.get(mode.sync_dtype, 0.0) * fragment_elements)
     step = prediction.step_seconds if step_seconds is None else step_seconds
-    exposed = max(0.0, sync - mode.overlap_steps * step)
+    exposed = sync
+    if mode.overlap_steps:  # the links' part hides behind K steps, slowing them by the measured interference;
+        # the codec is compute, and the vote is taken before the launch
+        window = mode.overlap_steps * step
+        network = prediction.sync_seconds
+        exposed = (sync - network + max(0.0, network - window)
+                   + measured.overlap_interference * min(network, window))
     mean_step = step + exposed / mode.sync_every
     return ModeEstimate(mode, work.tokens_per_step / mean_step, step, sync, exposed, memory_bytes,
                         prediction.sync_seconds)

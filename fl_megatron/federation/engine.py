@@ -1,6 +1,7 @@
 """The federation engine: after each optimizer step, decide whether to sync and do it."""
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -126,6 +127,31 @@ class FederationEngine:
         if config.overlap_steps and self.overlapper is None:
             self.overlapper = Overlapper()
         self.schedule = GraphSchedule(config)
+
+    def trial_exchange(self, elements: int) -> Future:
+        """Start a throwaway fp32 average of `elements` zeros in the background, the way an
+        overlapped sync runs (its own communicators, a thread, the averager's buckets): --fl-tune
+        times a training step beside it to learn what an overlap costs. Returns the future of its
+        seconds; every rank of the job must call it at the same step."""
+        if self.overlapper is None:
+            self.overlapper = Overlapper()
+        if self._peer is self.groups.peer:
+            raise ValueError("a trial exchange needs the exchange's own process groups: "
+                             "build_process_groups(..., exchange=True)")
+        averager = self._averager()
+        buffer = torch.zeros(elements, device=self.backend.local_shards()[0].device)
+
+        def run() -> float:
+            began = time.perf_counter()
+            if buffer.is_cuda:  # a thread starts on cuda:0
+                with torch.cuda.device(buffer.device):
+                    averager.average([buffer])
+                    torch.cuda.synchronize(buffer.device)
+            else:
+                averager.average([buffer])
+            return time.perf_counter() - began
+
+        return self.overlapper.submit(run)
 
     @property
     def outer(self) -> Optional[OuterOptimizer]:

@@ -10,6 +10,7 @@ over the peer group, as every cross-group figure is), so every rank holds the sa
 """
 
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -25,6 +26,7 @@ SMALL_REPEATS = 5
 PAYLOAD_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
 LONG_ENOUGH_S = 0.05  # a payload that takes this long measures bandwidth well enough
 CODEC_ELEMENTS = 1 << 20
+IN_GROUP_ELEMENTS = 1 << 16  # the interference loop's own all-reduce inside the group (256 KiB)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class LinkProbe:
     timings: list = field(default_factory=list)
     codec_seconds_per_element: dict = field(default_factory=dict)
     seconds: float = 0.0
+    overlap_interference: float = 0.0  # compute lost per second of an exchange running beside it (0: free)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +58,7 @@ class LinkProbe:
     @classmethod
     def from_dict(cls, d: dict) -> "LinkProbe":
         return cls([GroupTiming(**t) for t in d.get("timings", [])], dict(d.get("codec_seconds_per_element", {})),
-                   float(d.get("seconds", 0.0)))
+                   float(d.get("seconds", 0.0)), float(d.get("overlap_interference", 0.0)))
 
     def timing(self, group: str) -> Optional[GroupTiming]:
         return next((t for t in self.timings if t.group == group), None)
@@ -112,8 +115,58 @@ def codec_seconds(device: torch.device, dtypes: tuple) -> dict:
     return out
 
 
-def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple = ()) -> LinkProbe:
-    """Probe the peer group and the federation group (every rank calls this at the same point)."""
+def _compute(a: torch.Tensor, times: int, group=None) -> float:
+    """`times` matrix products, each followed by a small all-reduce over `group` (a training
+    step's own collectives inside its group); seconds."""
+    talk = torch.zeros(IN_GROUP_ELEMENTS, device=a.device) if group is not None else None
+    start = time.perf_counter()
+    for _ in range(times):
+        a @ a
+        if talk is not None:
+            dist.all_reduce(talk, group=group)
+    if a.is_cuda:
+        torch.cuda.synchronize(a.device)
+    return time.perf_counter() - start
+
+
+def overlap_interference(exchange_group, group, device: torch.device, bytes_per_second: float, agree) -> float:
+    """How much a training-like loop slows while an exchange runs beside it, as an overlapped sync
+    does: matrix products with small all-reduces over the federation group, alone, then while a
+    background thread all-reduces over the exchange's own communicator as many bytes as the links
+    carry in that time. The loop's extra time over its time beside the exchange (0: free, as NCCL
+    on its own stream nearly is; CPU ranks sharing cores lose much of it)."""
+    a = torch.randn(256, 256, device=device)
+    times = 4
+    while _compute(a, times) < 0.05 and times < 1 << 14:
+        times *= 2
+    times = int(agree(float(times)))  # every rank of a group makes the same collectives
+    alone = agree(_compute(a, times, group))
+    elements = int(min(max(bytes_per_second * alone, 1 << 18), 64 << 20)) // 4
+    buf = torch.ones(elements, device=device)
+    box = {}
+
+    def exchange():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        began = time.perf_counter()
+        dist.all_reduce(buf, group=exchange_group)
+        if buf.is_cuda:
+            torch.cuda.synchronize(device)
+        box["seconds"] = time.perf_counter() - began
+
+    dist.barrier(group=group)
+    thread = threading.Thread(target=exchange, name="fl-probe")
+    thread.start()
+    beside = _compute(a, times, group)
+    thread.join()
+    together = min(box.get("seconds", beside), beside)
+    return min(1.0, max(0.0, beside - alone) / max(together, 1e-9))
+
+
+def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple = (),
+                overlap_group=None) -> LinkProbe:
+    """Probe the peer group and the federation group (every rank calls this at the same point);
+    with `overlap_group` (the exchange's own peer communicator) also the overlap's interference."""
     start = time.perf_counter()
     layout = groups.layout
 
@@ -127,4 +180,10 @@ def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple
                probe_group("federation", groups.federation, layout.group_size,
                            "inter-node" if spans_nodes(layout, fed_ranks) else "intra-node", device, agree)]
     codec = {dtype: agree(s) for dtype, s in codec_seconds(device, codec_dtypes).items()}
-    return LinkProbe(timings, codec, time.perf_counter() - start)
+    interference = 0.0
+    if overlap_group is not None and layout.num_groups > 1:
+        peer = timings[0]
+        rate = peer.payload_bytes / max(peer.payload_seconds - peer.small_seconds, 1e-9)
+        fed = groups.federation if layout.group_size > 1 else None
+        interference = agree(overlap_interference(overlap_group, fed, device, rate, agree))
+    return LinkProbe(timings, codec, time.perf_counter() - start, interference)

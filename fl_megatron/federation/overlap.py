@@ -99,6 +99,14 @@ class Overlapper:
             else:
                 shard.copy_(new)
 
+    def submit(self, work) -> Future:
+        """Run `work()` in the exchange's thread (at once when not threaded)."""
+        if self.pool is None:
+            future: Future = Future()
+            future.set_result(work())
+            return future
+        return self.pool.submit(work)
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)

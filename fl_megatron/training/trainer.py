@@ -129,7 +129,8 @@ class Trainer:
         if not (self.federated and fed.syncing and fed.link_probe) or self.elastic:
             return None, {}
         codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
-        probe = probe_links(self.groups, self.device, codecs)
+        overlap = self.groups.exchange_peer if fed.tune and fed.tune_overlap else None
+        probe = probe_links(self.groups, self.device, codecs, overlap)
         cluster = cluster_from_probe(self.layout, probe, Cluster.from_config(self.cfg.cluster))
         say(probe_line(probe, cluster), self.is_writer)
         self.files.write_config(config_to_json(self.cfg, {"link_probe": {**probe.to_dict(),
@@ -242,9 +243,12 @@ class Trainer:
         if pause:
             time.sleep(pause)
         lr = learning_rate(step, t)
+        trial = self.tuner.start_trial(done, self.engine) if self.tuner is not None else None
         began = time.perf_counter()
         loss, norm, lr = self._measured(self._step_traffic, lambda: self._train_step(step, lr))
-        if self.tuner is not None:
+        if trial is not None:
+            self.tuner.end_trial(trial, time.perf_counter() - began)
+        elif self.tuner is not None:
             self.tuner.observe_step(time.perf_counter() - began)
         if nan_requested(self.group, done):  # a sick group, for tests (FL_MEGATRON_FAULT)
             with torch.no_grad():

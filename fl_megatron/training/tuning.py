@@ -10,6 +10,7 @@ anyway), and the rule is a pure function of them.
 
 import dataclasses
 import statistics
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import torch
@@ -44,11 +45,19 @@ class SyncTuner:
                                  fed.tune_overlap, fed.tune_max_fragments, run.cfg.cluster.device_memory_gib * 2**30)
         self.cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
         small = sum(t.small_seconds for t in probe.timings)
-        self.measured = Measured(dict(probe.codec_seconds_per_element), 2 * small)  # the vote: group, then peers
+        # the vote: group, then peers
+        self.measured = Measured(dict(probe.codec_seconds_per_element), 2 * small, probe.overlap_interference)
         self.counts, self.largest = model_sizes(run.cfg.model)
         self.num_params = self.counts[0]
         self.step_seconds: list[float] = []
         self.sync_seconds: list[float] = []
+        peer = probe.timing("peer")
+        self.peer_bytes_per_s = peer.payload_bytes / max(peer.payload_seconds - peer.small_seconds, 1e-9) \
+            if peer is not None and peer.payload_bytes else 0.0
+        every = run.cfg.federation.fragment_interval
+        # a step timed beside a trial exchange before the first choice: what an overlap really costs
+        self.trial_step = every // 2 if fed.tune_overlap and every >= 4 and self.peer_bytes_per_s else None
+        self.trial: Optional[tuple[float, float]] = None  # (that step's seconds, the exchange's)
         self.decided = False
         self.calibrated = False  # whether measured syncs corrected the probed link speed yet
         self.syncs_since_check = 0
@@ -59,6 +68,27 @@ class SyncTuner:
         """The wall time of one optimizer step's forward, backward and update on this rank."""
         self.step_seconds.append(seconds)
         del self.step_seconds[:-64]
+
+    def start_trial(self, step: int, engine) -> Optional[Future]:
+        """Before optimizer step `step` (1-based): at the trial step, start a throwaway exchange of
+        about one step's worth of the links' bytes beside it (every rank the same size)."""
+        if self.decided or step != self.trial_step or not self.step_seconds:
+            return None
+        agreed = torch.tensor([self.peer_bytes_per_s * max(self.step_seconds) / 4], dtype=torch.float64,
+                              device=self.groups.device_type)
+        self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
+        return engine.trial_exchange(int(min(max(float(agreed), 1 << 16), 1 << 24)))
+
+    def end_trial(self, trial: Future, step_seconds: float) -> None:
+        self.trial = (step_seconds, trial.result())
+
+    def _interference(self, baseline: float) -> float:
+        """Step time lost beside the trial exchange per second they overlapped (may exceed 1: the
+        exchange costs more than the time it could hide)."""
+        if self.trial is None:
+            return self.measured.overlap_interference
+        with_exchange, exchange = self.trial
+        return min(3.0, max(0.0, with_exchange - baseline) / max(min(exchange, with_exchange), 1e-9))
 
     def observe_sync(self, exchange_seconds: float) -> None:
         self.sync_seconds.append(exchange_seconds)
@@ -75,11 +105,14 @@ class SyncTuner:
         measured_steps = self.step_seconds[WARMUP_STEPS:] or self.step_seconds
         if not measured_steps:
             return None
-        agreed = torch.tensor([statistics.median(measured_steps),
-                               statistics.median(self.sync_seconds) if self.sync_seconds else 0.0],
-                              dtype=torch.float64, device=self.groups.device_type)
+        baseline = statistics.median(measured_steps)
+        agreed = torch.tensor([baseline, statistics.median(self.sync_seconds) if self.sync_seconds else 0.0,
+                               self._interference(baseline)], dtype=torch.float64, device=self.groups.device_type)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
-        step_s, sync_s = agreed.tolist()
+        step_s, sync_s, interference = agreed.tolist()
+        if self.trial is not None:
+            self.measured = dataclasses.replace(self.measured, overlap_interference=interference)
+            self.trial = None
         reason = "first choice, from the probed links and the measured step time"
         if self.decided:
             reason = self._recheck(step_s, sync_s)
@@ -98,7 +131,8 @@ class SyncTuner:
             "predicted_sync_seconds": choice.chosen.sync_seconds,
             "runner_up": choice.runner_up.mode.label() if choice.runner_up else None,
             "runner_up_tokens_per_s": choice.runner_up.tokens_per_s if choice.runner_up else None,
-            "measured_step_seconds": step_s, "inter_node_gbps": self.cluster.inter_node_gbps,
+            "measured_step_seconds": step_s, "overlap_interference": self.measured.overlap_interference,
+            "inter_node_gbps": self.cluster.inter_node_gbps,
             "intra_node_gbps": self.cluster.intra_node_gbps}}
         return mode.fields() if change else None
 
@@ -170,6 +204,8 @@ def probe_line(probe: LinkProbe, cluster: Cluster) -> str:
     codec = ", ".join(f"{k} {v * 1e9:.2f} ns/element" for k, v in probe.codec_seconds_per_element.items())
     return ("  links (probed in {:.2f} s): ".format(probe.seconds) + "; ".join(parts)
             + (f"; codec {codec}" if codec else "")
+            + (f"; an exchange beside compute slows it by {probe.overlap_interference:.0%}"
+               if probe.overlap_interference else "")
             + f"\n    as --dry-run flags: {dry_run_flags(cluster)}")
 
 
