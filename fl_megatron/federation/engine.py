@@ -128,18 +128,18 @@ class FederationEngine:
             self.overlapper = Overlapper()
         self.schedule = GraphSchedule(config)
 
-    def trial_exchange(self, elements: int) -> Future:
-        """Start a throwaway fp32 average of `elements` zeros in the background, the way an
-        overlapped sync runs (its own communicators, a thread, the averager's buckets): --fl-tune
-        times a training step beside it to learn what an overlap costs. Returns the future of its
-        seconds; every rank of the job must call it at the same step."""
+    def trial_exchange(self, elements: int, sync_dtype: str = "fp32") -> Future:
+        """Start a throwaway average of `elements` random values in `sync_dtype` in the background,
+        the way an overlapped sync runs (its own communicators, a thread, the averager's buckets,
+        the codec): --fl-tune times a training step beside it to learn what an overlap costs.
+        Returns the future of its seconds; every rank of the job must call it at the same step."""
         if self.overlapper is None:
             self.overlapper = Overlapper()
         if self._peer is self.groups.peer:
             raise ValueError("a trial exchange needs the exchange's own process groups: "
                              "build_process_groups(..., exchange=True)")
-        averager = self._averager()
-        buffer = torch.zeros(elements, device=self.backend.local_shards()[0].device)
+        averager = self._averager(sync_dtype=sync_dtype, error_feedback=False)
+        buffer = torch.randn(elements, device=self.backend.local_shards()[0].device)
 
         def run() -> float:
             began = time.perf_counter()

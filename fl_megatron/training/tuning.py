@@ -23,6 +23,7 @@ from ..cost_model.calibrate import cluster_from_probe, rescale_tier
 from ..cost_model.network import Cluster
 from ..cost_model.tune import Measured, ModeEstimate, SyncMode, TuneBounds, TuneChoice, estimate, tune
 from ..cost_model.workload import workload_for
+from ..costs import wire_bytes_per_element
 from ..federation.groups import ProcessGroups
 from ..federation.link_probe import LinkProbe
 from .dry_run import mode_memory, model_sizes
@@ -71,13 +72,15 @@ class SyncTuner:
 
     def start_trial(self, step: int, engine) -> Optional[Future]:
         """Before optimizer step `step` (1-based): at the trial step, start a throwaway exchange of
-        about one step's worth of the links' bytes beside it (every rank the same size)."""
+        about one step's worth of the links' bytes beside it, in the lowest allowed precision (its
+        codec runs in the thread too), the same size on every rank."""
         if self.decided or step != self.trial_step or not self.step_seconds:
             return None
-        agreed = torch.tensor([self.peer_bytes_per_s * max(self.step_seconds) / 4], dtype=torch.float64,
-                              device=self.groups.device_type)
+        dtype = self.bounds.lowest_precision  # what the overlapped modes that matter send, codec included
+        agreed = torch.tensor([self.peer_bytes_per_s * max(self.step_seconds) / wire_bytes_per_element(dtype)],
+                              dtype=torch.float64, device=self.groups.device_type)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
-        return engine.trial_exchange(int(min(max(float(agreed), 1 << 16), 1 << 24)))
+        return engine.trial_exchange(int(min(max(float(agreed), 1 << 16), 1 << 25)), dtype)
 
     def end_trial(self, trial: Future, step_seconds: float) -> None:
         self.trial = (step_seconds, trial.result())
