@@ -11,6 +11,7 @@ of the same mode and against the fp32 average (docs/sync-modes.md: within 1 % of
 compressed modes). Writes tune.json and tune.md to --out; exit code 3 when a target is missed.
 
   python tools/bench_tune.py --rates 10 100 1000          # 2 nodes x 2 ranks, H = 8, ~25 min on 2 cores
+  python tools/bench_tune.py --repeats 2                  # every row twice, interleaved: the median repeats
 """
 
 import argparse
@@ -34,6 +35,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--sync-interval", type=int, default=8)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="run every row this many times, interleaved; each row's "
+                                                          "median repeat is compared (bench_cluster --repeats)")
     p.add_argument("--out", default="runs/bench-tune")
     p.add_argument("--reuse", action="store_true", help="report from the bench.json files already in --out")
     return p.parse_args(argv)
@@ -77,8 +80,9 @@ def report_rate(bench: dict, rate: float, sync_interval: int) -> dict:
             "eval_loss": loss, "eval_loss_fp32": fp32_loss, "eval_loss_vs_fp32": vs_fp32,
             "eval_loss_same_mode_row": hand[same]["measured"]["eval_loss"] if same else None,
             "loss_ok": vs_fp32 <= LOSS_BOUND,
-            "rows": {k: {"tokens_per_s": r["measured"]["tokens_per_s"], "eval_loss": r["measured"]["eval_loss"]}
-                     for k, r in hand.items()}}
+            "tuned_tokens_per_s_repeats": tuned.get("tokens_per_s_repeats"),
+            "rows": {k: {"tokens_per_s": r["measured"]["tokens_per_s"], "eval_loss": r["measured"]["eval_loss"],
+                         "tokens_per_s_repeats": r.get("tokens_per_s_repeats")} for k, r in hand.items()}}
 
 
 def markdown(results: list[dict]) -> str:
@@ -101,7 +105,8 @@ def main(argv=None) -> int:
         if not args.reuse:
             cmd = [sys.executable, str(TOOLS / "bench_cluster.py"), "--nodes", str(args.nodes), "--ranks-per-node",
                    str(args.ranks_per_node), "--rate-mbit", f"{rate:g}", "--sync-interval", str(args.sync_interval),
-                   "--steps", str(args.steps), "--rows", *HAND_ROWS, TUNE_ROW, "--out", str(rate_dir)]
+                   "--steps", str(args.steps), "--repeats", str(args.repeats), "--rows", *HAND_ROWS, TUNE_ROW,
+                   "--out", str(rate_dir)]
             print(f"[{rate:g} Mbit/s] {' '.join(cmd[1:])}", flush=True)
             if subprocess.run(cmd).returncode != 0:
                 print(f"error: the benchmark at {rate:g} Mbit/s failed", file=sys.stderr)
@@ -118,6 +123,10 @@ def main(argv=None) -> int:
               f"of the best hand-picked mode ({r['best_row']}); target {SPEED_TARGET}")
         print(f"{'OK' if r['loss_ok'] else 'NOT MET'}: {r['rate_mbit']:g} Mbit/s: eval loss {r['eval_loss_vs_fp32']:+.2%} "
               f"against the fp32 average; bound +{LOSS_BOUND:.0%}")
+        spread = r["tuned_tokens_per_s_repeats"]
+        if spread and len(spread) > 1:
+            print(f"    the tuned row's repeats: {', '.join(f'{v:,.0f}' for v in spread)} tok/s; the best row's: "
+                  + ", ".join(f"{v:,.0f}" for v in r["rows"][r["best_row"]]["tokens_per_s_repeats"]))
     print(f"wrote {out / 'tune.json'} and {out / 'tune.md'}")
     return 0 if all(r["speed_ok"] and r["loss_ok"] for r in results) else 3
 

@@ -236,7 +236,7 @@ class FederationEngine:
 
         def average(buffers):
             began = time.perf_counter()
-            time.sleep(sync_delay_seconds(step))  # a test's slowed link (FL_MEGATRON_FAULT=slow-sync)
+            _slowed_link(step)
             stats = averager.average(buffers, include, contributors)
             stats.exchange_seconds = time.perf_counter() - began
             return stats
@@ -346,7 +346,7 @@ class FederationEngine:
                 figures = GroupFigures(healing=True)
             sick, include, contributors = self._health(step, shards, figures, membership)
         kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
-        time.sleep(sync_delay_seconds(step))  # a test's slowed link (FL_MEGATRON_FAULT=slow-sync)
+        _slowed_link(step)
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(sick))
         moved: tuple = ()
@@ -517,3 +517,10 @@ def _variance_and_rms(totals: torch.Tensor) -> tuple[float, float]:
     if count == 0:
         return 0.0, 0.0
     return sq_dev / count, (sq_mean / count) ** 0.5
+
+
+def _slowed_link(step: int) -> None:
+    """A test's or benchmark's slowed link (FL_MEGATRON_FAULT=slow-sync); nothing otherwise."""
+    delay = sync_delay_seconds(step)
+    if delay > 0:
+        time.sleep(delay)

@@ -34,7 +34,7 @@ from .memory import peak_memory_bytes, peak_memory_kind
 from .run_data import next_token_loss, open_run_data
 from .run_files import RunFiles
 from .step_records import Interval, step_record, vote_figures
-from .tuning import SyncTuner, current_mode, probe_line, resumed_choice
+from .tuning import SyncTuner, current_mode, probe_line, resumed_choice, trial_step
 from .stopping import StopPolicy
 
 
@@ -129,7 +129,8 @@ class Trainer:
         if not (self.federated and fed.syncing and fed.link_probe) or self.elastic:
             return None, {}
         codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
-        overlap = self.groups.exchange_peer if fed.tune and fed.tune_overlap else None
+        # what an overlap costs: at the probe only where no step can be timed beside a trial exchange
+        overlap = self.groups.exchange_peer if fed.tune and fed.tune_overlap and trial_step(fed) is None else None
         probe = probe_links(self.groups, self.device, codecs, overlap)
         cluster = cluster_from_probe(self.layout, probe, Cluster.from_config(self.cfg.cluster))
         say(probe_line(probe, cluster), self.is_writer)
@@ -428,6 +429,8 @@ class Trainer:
             if options.saving and (done == t.train_iters or stopped or
                                    (options.save_interval and done % options.save_interval == 0)):
                 self.phases.enter("checkpoint-write", done)
+                if self.engine.flight is not None:  # a sync in flight lands before the save; it is recorded
+                    self._record_landing(done, self.engine.land(), outcome.lr)
                 path = self.checkpointer.save(done)
                 if self.checkpointer.pending is None:
                     say(f"  saved checkpoint {path}", self.is_writer)
@@ -494,6 +497,16 @@ class Trainer:
             if self.elastic and sync is not None:
                 groups = {**groups, **self._membership_fields}
             self._log_federation({k: v for k, v in {**record, **groups}.items() if v is not None}, sync, eta)
+
+    def _record_landing(self, done: int, sync: SyncResult, lr: float) -> None:
+        """An overlapped sync landed early, for a checkpoint of step `done`: a federation record of
+        its own (`landed_for_checkpoint`), and the tuner sees it like any other landing."""
+        if self.tuner is not None:
+            self.tuner.observe_sync(sync.exchange_seconds)
+        if self.is_writer:
+            record = step_record(done, self.run.tokens_per_step, time.perf_counter() - self._started, None, None, lr,
+                                 None, sync, self.ledger.snapshot())
+            self.records.log({**{k: v for k, v in record.items() if v is not None}, "landed_for_checkpoint": True})
 
     def _log_federation(self, record: dict, sync: Optional[SyncResult], eta: float) -> None:
         """A federation record: metrics.jsonl, the dashboards, the console (rank 0)."""

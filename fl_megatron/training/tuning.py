@@ -55,10 +55,10 @@ class SyncTuner:
         peer = probe.timing("peer")
         self.peer_bytes_per_s = peer.payload_bytes / max(peer.payload_seconds - peer.small_seconds, 1e-9) \
             if peer is not None and peer.payload_bytes else 0.0
-        every = run.cfg.federation.fragment_interval
         # a step timed beside a trial exchange before the first choice: what an overlap really costs
-        self.trial_step = every // 2 if fed.tune_overlap and every >= 4 and self.peer_bytes_per_s else None
+        self.trial_step = trial_step(fed) if self.peer_bytes_per_s else None
         self.trial: Optional[tuple[float, float]] = None  # (that step's seconds, the exchange's)
+        self.trial_info: Optional[dict] = None  # what the trial exchanged, for the first decision's record
         self.decided = False
         self.calibrated = False  # whether measured syncs corrected the probed link speed yet
         self.syncs_since_check = 0
@@ -80,7 +80,9 @@ class SyncTuner:
         agreed = torch.tensor([self.peer_bytes_per_s * max(self.step_seconds) / wire_bytes_per_element(dtype)],
                               dtype=torch.float64, device=self.groups.device_type)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
-        return engine.trial_exchange(int(min(max(float(agreed), 1 << 16), 1 << 25)), dtype)
+        elements = int(min(max(float(agreed), 1 << 16), 1 << 25))
+        self.trial_info = {"step": step, "elements": elements, "sync_dtype": dtype}
+        return engine.trial_exchange(elements, dtype)
 
     def end_trial(self, trial: Future, step_seconds: float) -> None:
         self.trial = (step_seconds, trial.result())
@@ -113,8 +115,12 @@ class SyncTuner:
                                self._interference(baseline)], dtype=torch.float64, device=self.groups.device_type)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
         step_s, sync_s, interference = agreed.tolist()
+        interference_from = "the link probe's compute loop" \
+            if self.measured.overlap_interference and not self.decided else None
         if self.trial is not None:
             self.measured = dataclasses.replace(self.measured, overlap_interference=interference)
+            interference_from = {"trial": self.trial_info, "step_seconds": self.trial[0],
+                                 "exchange_seconds": self.trial[1]}
             self.trial = None
         reason = "first choice, from the probed links and the measured step time"
         if self.decided:
@@ -135,6 +141,7 @@ class SyncTuner:
             "runner_up": choice.runner_up.mode.label() if choice.runner_up else None,
             "runner_up_tokens_per_s": choice.runner_up.tokens_per_s if choice.runner_up else None,
             "measured_step_seconds": step_s, "overlap_interference": self.measured.overlap_interference,
+            **({"overlap_interference_from": interference_from} if interference_from else {}),
             "inter_node_gbps": self.cluster.inter_node_gbps,
             "intra_node_gbps": self.cluster.intra_node_gbps}}
         return mode.fields() if change else None
@@ -192,6 +199,14 @@ class SyncTuner:
         if self.calibrated:  # the speeds the syncs showed, not the new probe's
             self.cluster = dataclasses.replace(self.cluster, inter_node_gbps=state["inter_node_gbps"],
                                                intra_node_gbps=state["intra_node_gbps"])
+
+
+def trial_step(fed) -> Optional[int]:
+    """The step (1-based) the tuner times beside a trial exchange before its first choice, or None:
+    halfway to the first sync, when overlap is allowed and there are steps enough to spare one
+    (otherwise the link probe measures the interference beside a compute loop)."""
+    every = fed.fragment_interval
+    return every // 2 if fed.tune_overlap and every >= 4 else None
 
 
 def probe_line(probe: LinkProbe, cluster: Cluster) -> str:
