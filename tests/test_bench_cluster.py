@@ -14,7 +14,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 
 from cluster_bench.bench_report import markdown, table_rows  # noqa: E402
-from cluster_bench.prediction import TCP_WIRE_OVERHEAD, predict_row  # noqa: E402
+from cluster_bench.prediction import TCP_WIRE_OVERHEAD, as_tuned, predict_row  # noqa: E402
 from cluster_bench.rows import all_rows, select_rows  # noqa: E402
 from cluster_bench.run_outputs import compute_seconds, measured, span_seconds, step_records  # noqa: E402
 
@@ -75,6 +75,29 @@ def test_prediction_of_fsdp_on_two_nodes_by_hand():
     assert p["inter_node_bytes"] == pytest.approx(2 * (10 * per_step + per_eval))
     assert p["step_seconds"] == pytest.approx(0.5 + per_step * 8 / 100e6)
     assert p["tokens_per_step"] == 4 * 128 * 4
+
+
+def test_a_tuned_row_is_predicted_as_the_hand_row_of_the_mode_it_chose(tmp_path):
+    """The --fl-tune row's prediction is that of the mode its last `tune` record names (its flags
+    pin that mode): here the int4 + EF, 2 fragments, overlap 1 row's."""
+    from fl_megatron.cost_model.tune import SyncMode
+
+    rows = {r.key: r for r in all_rows(2, 2, 8)}
+    common = ["--model", "llama-tiny", "--train-iters", "10", "--seq-length", "128", "--micro-batch-size", "4"]
+    mode = SyncMode("int4", 1, 2, 8)
+    run_dir = tmp_path / "tuned"
+    run_dir.mkdir()
+    records = [{"step": 8, "tune": {"mode": {"sync_interval": 8}, "flags": SyncMode("fp32", 0, 1, 8).flags()}},
+               {"step": 9, "loss": 1.0}, {"step": 16, "tune": {"mode": mode.fields(), "flags": mode.flags()}}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def predicted(row):
+        return predict_row(row, common, nodes=2, ranks_per_node=2, rate_mbit=100, compute_s=0.5, steps=10, warmup=1)
+
+    tuned = as_tuned(rows["fl-fsdp-tune"], run_dir)
+    assert predicted(tuned) == predicted(rows["fl-fsdp-int4-frag2-overlap"])
+    assert predicted(tuned) != predicted(rows["fl-fsdp"])
+    assert as_tuned(rows["fl-fsdp-tune"], tmp_path / "missing") == rows["fl-fsdp-tune"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="shaped links need root (network namespaces)")

@@ -126,3 +126,12 @@ def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="the largest allowed H"):
         TuneBounds(sync_interval=8, max_sync_interval=4)
     assert PRECISIONS == ("fp32", "bf16", "int8", "int4")
+
+
+@pytest.mark.parametrize("mode", [SyncMode("fp32", 0, 1, 8), SyncMode("int4", 1, 4, 16), SyncMode("bf16", 1, 2, 8)])
+def test_a_modes_flags_pin_it_by_hand(mode):
+    """The flags the console prints with a choice parse into that mode's FederationConfig fields."""
+    from fl_megatron.config.flags import parse_args
+
+    cfg, _ = parse_args(mode.flags())
+    assert {name: getattr(cfg.federation, name) for name in mode.fields()} == mode.fields()

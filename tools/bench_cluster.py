@@ -43,7 +43,7 @@ from cluster_bench import failures  # noqa: E402
 from cluster_bench.bench_report import write_outputs  # noqa: E402
 from cluster_bench.failures import default_kill, plan_problems  # noqa: E402
 from cluster_bench.netns_cluster import EmulatedCluster, run_job  # noqa: E402
-from cluster_bench.prediction import predict_row  # noqa: E402
+from cluster_bench.prediction import as_tuned, predict_row  # noqa: E402
 from cluster_bench.rows import Row, all_rows, select_rows  # noqa: E402
 from cluster_bench.run_outputs import compute_seconds, measured  # noqa: E402
 from peers.torchft_launch import run_torchft, torchft_commands  # noqa: E402
@@ -263,8 +263,9 @@ def _failure_compare(args, argv, out: Path) -> int:
 def _measure_row(cluster, args, row: Row, run_dir: Path, rate, compute_s: float) -> dict:
     """Run one row once; what it measured beside what the cost model predicts."""
     counters = run_row(cluster, args, row, run_dir, args.steps)
-    pred = predict_row(row, common_flags(args), args.nodes, args.ranks_per_node, rate, compute_s, args.steps,
-                       args.warmup, jitter_s=0.0 if row.is_peer else args.jitter_ms / 1000)
+    # a --fl-tune row is predicted in the mode it chose (its first choice comes before the timed span)
+    pred = predict_row(as_tuned(row, run_dir), common_flags(args), args.nodes, args.ranks_per_node, rate, compute_s,
+                       args.steps, args.warmup, jitter_s=0.0 if row.is_peer else args.jitter_ms / 1000)
     got = measured(run_dir, args.warmup, pred["tokens_per_step"])
     _check_layout(row, got.get("layout"), args.nodes * args.ranks_per_node)
     wire = sum(c.wire_tx_bytes for c in counters) if counters else None

@@ -57,6 +57,12 @@ class SyncMode:
                 "overlap_steps": self.overlap_steps, "fragments": self.fragments,
                 "sync_interval": self.sync_interval}
 
+    def flags(self) -> list[str]:
+        """The pretrain flags that pin this mode by hand (a run without --fl-tune)."""
+        return ["--fl-sync-dtype", self.sync_dtype, *(["--fl-error-feedback"] if self.error_feedback else []),
+                "--fl-overlap-steps", str(self.overlap_steps), "--fl-fragments", str(self.fragments),
+                "--fl-sync-interval", str(self.sync_interval)]
+
     def caution(self) -> tuple:
         """Sort key: smaller is closer to an exact fp32 average at the given H."""
         return (self.sync_interval, PRECISIONS.index(self.sync_dtype), self.overlap_steps, self.fragments)

@@ -77,7 +77,8 @@ class SyncTuner:
         if self.decided or step != self.trial_step or not self.step_seconds:
             return None
         dtype = self.bounds.lowest_precision  # what the overlapped modes that matter send, codec included
-        agreed = torch.tensor([self.peer_bytes_per_s * max(self.step_seconds) / wire_bytes_per_element(dtype)],
+        typical = statistics.median(self.step_seconds[WARMUP_STEPS:] or self.step_seconds)  # not the first's set-up
+        agreed = torch.tensor([self.peer_bytes_per_s * typical / wire_bytes_per_element(dtype)],
                               dtype=torch.float64, device=self.groups.device_type)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
         elements = int(min(max(float(agreed), 1 << 16), 1 << 25))
@@ -133,9 +134,9 @@ class SyncTuner:
         mode, now = choice.chosen.mode, current_mode(fed)
         change = mode != now
         self.say(f"  fl-tune at step {step}: {reason}; " + ("switching to " if change else "keeping ")
-                 + choice.text())
+                 + choice.text() + f"\n    (to pin it by hand: {' '.join(mode.flags())})")
         self.last_record = {"step": step, "tune": {
-            "reason": reason, "mode": mode.fields(), "label": mode.label(), "switched": change,
+            "reason": reason, "mode": mode.fields(), "label": mode.label(), "flags": mode.flags(), "switched": change,
             "predicted_tokens_per_s": choice.chosen.tokens_per_s,
             "predicted_sync_seconds": choice.chosen.sync_seconds,
             "runner_up": choice.runner_up.mode.label() if choice.runner_up else None,

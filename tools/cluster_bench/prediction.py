@@ -1,5 +1,6 @@
 """The cost model's prediction for one benchmark row, on the emulated cluster's links."""
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -48,3 +49,15 @@ def predict_row(row, common_flags: list[str], nodes: int, ranks_per_node: int, r
     return {"step_seconds": seconds / span, "tokens_per_s": span * run.tokens_per_step / seconds,
             "inter_node_bytes": p.run_inter_node_bytes(steps, evaluations),
             "sync_seconds": p.sync_seconds, "compute_seconds": compute_s, "tokens_per_step": run.tokens_per_step}
+
+
+def as_tuned(row, run_dir: Path):
+    """A --fl-tune row as the mode its run chose last (its metrics.jsonl's last `tune` record), for
+    the prediction: the row itself where the run made no choice."""
+    if "--fl-tune" not in row.extra or not (run_dir / "metrics.jsonl").exists():
+        return row
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    decisions = [json.loads(line)["tune"] for line in lines if '"tune"' in line]
+    if not decisions:
+        return row
+    return replace(row, sync_interval=decisions[-1]["mode"]["sync_interval"], extra=tuple(decisions[-1]["flags"]))
