@@ -197,16 +197,19 @@ def test_plot_runs_draws_each_runs_values(tmp_path, capsys):
     assert [list(ln.get_ydata()) for ln in right.get_lines()] == [[2.0, 2.0, 6.0]]
     assert "sync_telemetry.png" not in figures  # no run recorded per-sync telemetry
 
-    # per-sync telemetry: MB/s per tier during the exchange, and the share of time waiting on the sync
+    # per-sync telemetry: MB/s per tier during the exchange, and the share of time waiting on the sync;
+    # an overlapped sync's landing (a record without a loss, step 3) is one of the points
+    landing = {"step": 3, "tokens": 3, "elapsed_s": 1.5, "synced": True, "sync_exchange_seconds": 0.7,
+               "sync_inter_node_bytes_per_s": 1e6, "sync_wait_fraction": 0.125}
     d = [dict(_step(2, 5.0, 1.0), sync_exchange_seconds=0.5, sync_inter_node_bytes_per_s=2e6,
-              sync_intra_node_bytes_per_s=8e6, sync_wait_fraction=0.25),
+              sync_intra_node_bytes_per_s=8e6, sync_wait_fraction=0.25), landing,
          dict(_step(4, 4.8, 2.0), sync_exchange_seconds=0.4, sync_inter_node_bytes_per_s=3e6, sync_wait_fraction=0.5)]
     _write_run(tmp_path / "d", d, [])
     telemetry = tool.plot_runs([tool.load_run(tmp_path / "d", "D")])["sync_telemetry.png"]
     rates, waits = telemetry.axes
-    assert {ln.get_label(): list(ln.get_ydata()) for ln in rates.get_lines()} == {"D: inter-node": [2.0, 3.0],
+    assert {ln.get_label(): list(ln.get_ydata()) for ln in rates.get_lines()} == {"D: inter-node": [2.0, 1.0, 3.0],
                                                                                    "D: intra-node": [8.0]}
-    assert [list(ln.get_ydata()) for ln in waits.get_lines()] == [[0.25, 0.5]]
+    assert [list(ln.get_ydata()) for ln in waits.get_lines()] == [[0.25, 0.125, 0.5]]
 
     assert tool.main([str(tmp_path / "a"), str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "missing has no metrics.jsonl" in capsys.readouterr().err

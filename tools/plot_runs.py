@@ -39,6 +39,7 @@ class Run:
     evals: list
     groups: dict = field(default_factory=dict)  # group -> its own step records (federated runs)
     federation: list = field(default_factory=list)  # metrics.jsonl's step records (a federated run's: its syncs)
+    syncs: list = field(default_factory=list)  # metrics.jsonl's records of a sync (an overlapped landing has no loss)
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -65,7 +66,8 @@ def default_label(run_dir: Path) -> str:
 def load_run(run_dir: Path, label: Optional[str] = None) -> Run:
     records = read_records(run_dir)
     return Run(label or default_label(run_dir), logged_steps(run_dir), [r for r in records if "eval_loss" in r],
-               group_records(run_dir), [r for r in records if "loss" in r])
+               group_records(run_dir), [r for r in records if "loss" in r],
+               [r for r in records if "sync_exchange_seconds" in r])
 
 
 def wall_clock(records: list) -> list[float]:
@@ -177,7 +179,7 @@ def sync_telemetry(runs: Sequence[Run]):
     """Two panels against step, one point per sync: the MB/s each network tier carried during the
     exchange (rank 0's wire bytes over the exchange's time), and the fraction of the time between
     two records that training waited on the sync; None when no run recorded them."""
-    measured = [(run, [r for r in (run.federation or run.steps) if "sync_exchange_seconds" in r]) for run in runs]
+    measured = [(run, run.syncs or [r for r in run.steps if "sync_exchange_seconds" in r]) for run in runs]
     measured = [(run, syncs) for run, syncs in measured if syncs]
     if not measured:
         return None
