@@ -2,6 +2,7 @@
 delay injected into every sync's exchange) and a resumed run that keeps the choice."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,9 @@ def test_the_first_choice_times_a_step_beside_a_trial_exchange_at_half_the_first
     source = next(r for r in records if "tune" in r)["tune"]["overlap_interference_from"]
     assert source["trial"]["step"] == 4 and source["trial"]["sync_dtype"] == "int8", source
     assert source["exchange_seconds"] > 0 and source["step_seconds"] > 0
+    # on loopback links a step's worth of bytes is more than a sync moves: the trial is one rank's shard
+    params = int(re.search(r"\(([\d,]+) parameters\)", run.stdout).group(1).replace(",", ""))
+    assert params / 2 <= source["trial"]["elements"] <= params / 2 * 1.02, (params, source)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["link_probe"]["overlap_interference"] == 0.0  # the trial replaced the probe's loop
     # group 0's records (rank 0's ledger) of every step before the sync

@@ -73,15 +73,18 @@ class SyncTuner:
     def start_trial(self, step: int, engine) -> Optional[Future]:
         """Before optimizer step `step` (1-based): at the trial step, start a throwaway exchange of
         about one step's worth of the links' bytes beside it, in the lowest allowed precision (its
-        codec runs in the thread too), the same size on every rank."""
+        codec runs in the thread too), never more than a whole sync moves (this rank's shards), the
+        same size on every rank."""
         if self.decided or step != self.trial_step or not self.step_seconds:
             return None
         dtype = self.bounds.lowest_precision  # what the overlapped modes that matter send, codec included
         typical = statistics.median(self.step_seconds[WARMUP_STEPS:] or self.step_seconds)  # not the first's set-up
-        agreed = torch.tensor([self.peer_bytes_per_s * typical / wire_bytes_per_element(dtype)],
+        shard = sum(s.numel() for s in engine.backend.local_shards())
+        agreed = torch.tensor([self.peer_bytes_per_s * typical / wire_bytes_per_element(dtype), shard],
                               dtype=torch.float64, device=self.groups.device_type)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
-        elements = int(min(max(float(agreed), 1 << 16), 1 << 25))
+        link_worth, largest_shard = agreed.tolist()
+        elements = int(min(max(link_worth, 1 << 16), 1 << 25, largest_shard))
         self.trial_info = {"step": step, "elements": elements, "sync_dtype": dtype}
         return engine.trial_exchange(elements, dtype)
 
