@@ -58,18 +58,22 @@ class Overlapper:
         own = [s.clone() for s in shards]
         outer.to_pseudo_gradients(own)
         averaged = [o.clone() for o in own]
-        device = averaged[0].device if averaged else torch.device("cpu")
+        return InFlight(future=self.submit(average, averaged), averaged=averaged, own=own, **fields)
+
+    def submit(self, work, buffers: list) -> Future:
+        """Run `work(buffers)` in the exchange's thread (at once when not threaded); on CUDA on the
+        buffers' device and the exchange's own stream, after the training stream's work so far."""
+        device = buffers[0].device if buffers else torch.device("cpu")
         if self.pool is None:
             future: Future = Future()
-            future.set_result(average(averaged))
-        elif device.type == "cuda":
-            if self.stream is None:
-                self.stream = torch.cuda.Stream(device=device)
-            ready = torch.cuda.current_stream(device).record_event()  # the copies above are done
-            future = self.pool.submit(self._on_stream, average, averaged, device, ready)
-        else:
-            future = self.pool.submit(average, averaged)
-        return InFlight(future=future, averaged=averaged, own=own, **fields)
+            future.set_result(work(buffers))
+            return future
+        if device.type != "cuda":
+            return self.pool.submit(work, buffers)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=device)
+        ready = torch.cuda.current_stream(device).record_event()  # the buffers' copies are done
+        return self.pool.submit(self._on_stream, work, buffers, device, ready)
 
     def _on_stream(self, average, averaged: list, device: torch.device, ready):
         """The exchange in the thread: the rank's device (a thread starts on cuda:0), its own stream."""
@@ -98,14 +102,6 @@ class Overlapper:
                 shard.add_(new)
             else:
                 shard.copy_(new)
-
-    def submit(self, work) -> Future:
-        """Run `work()` in the exchange's thread (at once when not threaded)."""
-        if self.pool is None:
-            future: Future = Future()
-            future.set_result(work())
-            return future
-        return self.pool.submit(work)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -144,7 +144,7 @@ class Trainer:
                 setattr(fed, name, value)
             say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {current_mode(fed).label()}",
                 self.is_writer)
-        return SyncTuner(self.run, self.groups, probe, lambda text: say(text, self.is_writer)), state
+        return SyncTuner(self.run, self.groups, probe, lambda text: say(text, self.is_writer), self.device), state
 
     def _join(self) -> Optional[SyncResult]:
         """Elastic mode, at start-up: meet the live groups. At a fresh start every group is at step

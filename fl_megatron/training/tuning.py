@@ -39,8 +39,9 @@ class SyncTuner:
     """One rank's view of --fl-tune. `decide` runs at every due sync (before it), `observe_*`
     after every step and sync; `state`/`load_state` go with checkpoints."""
 
-    def __init__(self, run: ResolvedRun, groups: ProcessGroups, probe: LinkProbe, say: Callable[[str], None]) -> None:
-        self.run, self.groups, self.say = run, groups, say
+    def __init__(self, run: ResolvedRun, groups: ProcessGroups, probe: LinkProbe, say: Callable[[str], None],
+                 device: torch.device) -> None:
+        self.run, self.groups, self.say, self.device = run, groups, say, device  # device: the rank's own
         fed = run.cfg.federation
         self.bounds = TuneBounds(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval,
                                  fed.tune_overlap, fed.tune_max_fragments, run.cfg.cluster.device_memory_gib * 2**30)
@@ -81,7 +82,7 @@ class SyncTuner:
         typical = statistics.median(self.step_seconds[WARMUP_STEPS:] or self.step_seconds)  # not the first's set-up
         shard = sum(s.numel() for s in engine.backend.local_shards())
         agreed = torch.tensor([self.peer_bytes_per_s * typical / wire_bytes_per_element(dtype), shard],
-                              dtype=torch.float64, device=self.groups.device_type)
+                              dtype=torch.float64, device=self.device)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
         link_worth, largest_shard = agreed.tolist()
         elements = int(min(max(link_worth, 1 << 16), 1 << 25, largest_shard))
@@ -116,7 +117,7 @@ class SyncTuner:
             return None
         baseline = statistics.median(measured_steps)
         agreed = torch.tensor([baseline, statistics.median(self.sync_seconds) if self.sync_seconds else 0.0,
-                               self._interference(baseline)], dtype=torch.float64, device=self.groups.device_type)
+                               self._interference(baseline)], dtype=torch.float64, device=self.device)
         self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
         step_s, sync_s, interference = agreed.tolist()
         interference_from = "the link probe's compute loop" \
