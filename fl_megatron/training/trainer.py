@@ -396,7 +396,7 @@ class Trainer:
         t, options = self.cfg.training, self.cfg.checkpoint
         start = self._started = time.perf_counter()
         intervals = (Interval(start), Interval(start))  # since the last group record, federation record
-        stopped, done, loss = None, self.start_step, None
+        stopped, done, last = None, self.start_step, None
         evals: list[dict] = []
         if self._joining_sync is not None:  # the sync this group healed at, before its first step
             self._elastic_sync(self._joining_sync)
@@ -413,7 +413,7 @@ class Trainer:
                 say(f"  group {self.group}: behind the live groups, healed at their step {self.healing.step} in "
                     f"{outcome.sync.membership.seconds:.2f} s", self.is_writer)
                 step = done = self.healing.step
-            loss = outcome.loss
+            last = outcome
             for interval in intervals:
                 interval.steps += 1
             if outcome.too_few is not None:  # log, save (--save) this step's state, before the sync, and stop
@@ -446,7 +446,7 @@ class Trainer:
         wall = time.perf_counter() - start
         final_eval = self._eval_record(done) if t.eval_iters and not stopped else None
         self.phases.enter("summary", done)
-        summary = self._summary(loss, final_eval, evals, wall, done, stopped)
+        summary = self._summary(self._final_loss(done, last), final_eval, evals, wall, done, stopped)
         # Leave together: a rank tearing down gloo while a peer is still in its last
         # collectives can abort the peer at exit.
         dist.barrier()
@@ -531,23 +531,39 @@ class Trainer:
         say(f"  eval at step {step}: loss {loss:.4f}, perplexity {record['eval_perplexity']:.2f}", self.is_writer)
         return record
 
-    def _summary(self, last_loss: Optional[torch.Tensor], final_eval: Optional[dict], evals: list, wall: float,
+    def _final_loss(self, done: int, last: Optional[StepOutcome]) -> Optional[float]:
+        """The last step's train loss as its records give it, computed once: the vote's mean over
+        the groups where that step voted (the federation record), else the group's own figure (the
+        group record; a single group and an elastic group are their job). Only a federation stopped
+        between syncs, or whose groups never sync, has no record over all groups: there the groups'
+        figures are averaged over the job here."""
+        if last is None:
+            return None
+        vote = self.engine.vote
+        if vote is not None and vote.step == done:
+            return vote_figures(vote)[0]
+        figures = last.figures or self._group_figures(done, last.loss, last.grad_norm)
+        if not self.federated or self.elastic:
+            return figures.loss
+        total = torch.tensor([figures.loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)  # every rank holds its group's figure: the sum over ranks is G x the sum over groups
+        return float(total) / self.env.world_size
+
+    def _summary(self, final_loss: Optional[float], final_eval: Optional[dict], evals: list, wall: float,
                  done: int, stopped: Optional[str]) -> dict:
         """summary.json (rank 0) from one all-reduce and one all-gather over the job: the end of
-        the run may use the whole world. `last_loss`: this rank's loss of the last step."""
+        the run may use the whole world. `final_loss`: see `_final_loss`."""
         snapshot = self.ledger.snapshot()
         keys = sorted(snapshot)
-        totals = torch.tensor([float(snapshot[k]) for k in keys] + [math.nan if last_loss is None else float(last_loss)],
-                              dtype=torch.float64, device=self.device)
+        totals = torch.tensor([float(snapshot[k]) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)  # over the job: in elastic mode, this group
-        last_loss = float(totals[-1]) / self.env.job_world_size  # the last step's loss over the job's ranks
         peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
         peaks = [torch.zeros_like(peak) for _ in range(self.env.job_world_size)]
         dist.all_gather(peaks, peak)
         tokens = (done - self.start_step) * self.run.tokens_per_step
         summary = {
             "first_step": self.start_step + 1, "last_step": done, "stopped_early": stopped,
-            "final_train_loss": last_loss,
+            "final_train_loss": final_loss,
             "eval_loss": final_eval["eval_loss"] if final_eval else None,
             "eval_perplexity": final_eval["eval_perplexity"] if final_eval else None,
             "evals": evals + ([final_eval] if final_eval else []),
@@ -568,7 +584,7 @@ class Trainer:
             summary["elastic"] = {"group": self.group, **self.members.summary(self.healing)}
         self.files.write_summary(summary)
         say(f"done: {done - self.start_step} steps in {format_duration(wall)}, {summary['tokens_per_s']:,.0f} tok/s, "
-            f"final train loss {last_loss:.4f}"
+            f"final train loss {math.nan if final_loss is None else final_loss:.4f}"
             + (f", eval loss {summary['eval_loss']:.4f} (perplexity {summary['eval_perplexity']:.2f})"
                if final_eval else "")
             + f"\n  bytes per rank: intra-group {snapshot['intra_group_bytes'] / 2**20:,.1f} MiB, "
