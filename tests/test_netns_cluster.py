@@ -124,8 +124,11 @@ def test_exception_tears_down(netns):
         cluster.counters()
 
 
+# The child takes SIGINT as an interactive program does: a suite started from a script in the
+# background (`make test &`, nohup) hands its children SIGINT ignored, which the cluster respects.
 CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {tools!r})
     from cluster_bench.netns_cluster import EmulatedCluster
     with EmulatedCluster(2, 50, mode="netns") as c:
