@@ -97,11 +97,9 @@ def _elastic_env(cfg, env):
                                         ("--fl-num-groups", fed.num_groups)) if value is None]
     if missing:
         raise ValueError("elastic mode (--fl-elastic) needs " + ", ".join(missing))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
-        raise ValueError("elastic mode: torchrun restarts this group, but its workers share the rendezvous store "
-                         "across restarts, where a restarted rank can read its dead predecessor's address; launch "
-                         "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (tools/elastic_launch.py "
-                         "and the SLURM recipes do)")
+    problem = _shared_rendezvous_store_problem(os.environ)
+    if problem:
+        raise ValueError(problem)
     if fed.group_size not in (None, env.world_size):
         raise ValueError(f"elastic mode: each job is one federation group, but --fl-group-size {fed.group_size} "
                          f"differs from the job's {env.world_size} ranks")
@@ -112,6 +110,25 @@ def _elastic_env(cfg, env):
         if getattr(cfg.checkpoint, key) is not None:
             setattr(cfg.checkpoint, key, str(Path(getattr(cfg.checkpoint, key)) / own))
     return env.in_federation(fed.group_id, fed.num_groups)
+
+
+def _shared_rendezvous_store_problem(environ) -> Optional[str]:
+    """Elastic mode under torchrun with restarts: a restarted rank must not read its dead
+    predecessor's address from a rendezvous store shared across restarts. torchrun's c10d
+    rendezvous shares it unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; its static rendezvous
+    (--master-addr/--master-port, no --rdzv-backend) shares it whatever that variable says."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        return None
+    lead = ("elastic mode: torchrun restarts this group (--max-restarts), but its workers share the rendezvous "
+            "store across restarts, where a restarted rank can read its dead predecessor's address")
+    if environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return (f"{lead}: this is torchrun's static rendezvous (--master-addr/--master-port without "
+                "--rdzv-backend), which shares its store whatever TORCH_DISABLE_SHARE_RDZV_TCP_STORE says; launch "
+                "with --rdzv-backend c10d --rdzv-endpoint HOST:PORT (or --standalone on one node), keeping "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    return (f"{lead}; launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment and the c10d "
+            "rendezvous (--rdzv-backend c10d, or --standalone on one node), as tools/elastic_launch.py and the "
+            "SLURM recipes do")
 
 
 def _train(run, env, samples) -> int:
