@@ -74,7 +74,8 @@ $(VENV)/.elastic: setup.py $(VENV)/.package
 	touch $@
 
 # Elastic mode: a torchft lighthouse plus 3 groups of 2 CPU ranks, each group its own torchrun job
-# (tools/elastic_launch.py; each group writes runs/demo-elastic/group_GGGGG/).
+# (tools/elastic_launch.py; each group writes runs/demo-elastic/group_GGGGG/). It shows group 0's
+# progress and every group's heals, restarts and last line; Ctrl-C stops every process it started.
 demo-elastic: $(VENV)/.elastic
 	OMP_NUM_THREADS=1 $(BIN)/python tools/elastic_launch.py --groups 3 --ranks-per-group 2 --min-groups 2 \
 		-- --config examples/demo.json --run-dir runs/demo-elastic $(ARGS)

@@ -2,11 +2,11 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from fl_megatron.launching.ports import free_port
 from fl_megatron.training.run_files import logged_steps
 
 TINY = ["--model", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
@@ -16,22 +16,16 @@ TINY = ["--model", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--
 SGD = ["--optimizer", "sgd", "--lr", "0.5", "--weight-decay", "0", "--clip-grad", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pretrain_command(nproc: int, run_dir: Path, cache: Path, *flags: str,
                      launcher: str = "torchrun") -> tuple[list[str], dict]:
     """(argv, environment) of one job under torchrun or the deepspeed launcher."""
     env = dict(os.environ, OMP_NUM_THREADS="1", FL_MEGATRON_CACHE=str(cache))
     if launcher == "torchrun":
         start = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m"]
+                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m"]
     else:  # on CPU: --num_gpus sets the process count, --no_local_rank keeps argv clean
         start = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--no_local_rank",
-                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--module"]
+                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--module"]
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return [*start, "fl_megatron.pretrain", *TINY, "--run-dir", str(run_dir), *flags], env
 
@@ -79,7 +73,7 @@ def spawn_ranks(nproc: int, run_dir: Path, cache: Path, *flags: str, env_extra: 
     import time
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "fl_megatron.pretrain", *TINY, "--run-dir", str(run_dir), *flags]
     procs, logs = [], []
     start = time.monotonic()

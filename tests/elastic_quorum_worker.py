@@ -13,9 +13,7 @@ import torch.distributed as dist
 from fl_megatron.elastic import ElasticPeerTier
 from fl_megatron.federation.averaging import ShardAverager
 from fl_megatron.federation.graphs import Round
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "peers"))
-from torchft_launch import free_port  # noqa: E402
+from fl_megatron.launching.ports import free_port
 
 
 def shards_of(group: int, round_index: int) -> list[torch.Tensor]:

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fl_megatron.launching.lighthouse import lighthouse_command, start_lighthouse
+from fl_megatron.launching.ports import free_port
+from fl_megatron.launching.tree import stop_all
+
 pytest.importorskip("torchft")
-
-sys.path.insert(0, str(Path(__file__).parent))
 from elastic_quorum_worker import shards_of  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "peers"))
-from torchft_launch import LIGHTHOUSE_EXE, _wait_listening, free_port  # noqa: E402
 
 WORKER = Path(__file__).parent / "elastic_quorum_worker.py"
 
@@ -28,12 +27,10 @@ WORKER = Path(__file__).parent / "elastic_quorum_worker.py"
 def _run(tmp_path: Path) -> list[list[dict]]:
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
-    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / LIGHTHOUSE_EXE), "--bind", addr,
-                                   "--min_replicas", "2", "--join_timeout_ms", "2000",
-                                   "--heartbeat_timeout_ms", "1000"], env=env)
+    lighthouse, _ = start_lighthouse(lighthouse_command(addr, 2, join_timeout_ms=2000, heartbeat_timeout_ms=1000),
+                                       tmp_path)
     workers = []
     try:
-        _wait_listening(addr, lighthouse, 30)
         outs = [tmp_path / f"group{g}.json" for g in range(3)]
         workers = [subprocess.Popen([sys.executable, str(WORKER), str(g), f"http://{addr}", "2", str(out)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -43,10 +40,11 @@ def _run(tmp_path: Path) -> list[list[dict]]:
             assert w.returncode == 0, f"group {g} failed:\n{log[-4000:]}"
         return [json.loads(out.read_text()) for out in outs]
     finally:
-        for p in workers + [lighthouse]:
+        for p in workers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        stop_all([lighthouse])
 
 
 def test_quorum_group_carries_every_collective_and_follows_a_leave(tmp_path):

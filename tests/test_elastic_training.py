@@ -44,9 +44,10 @@ def _env(fault: str = "") -> dict:
 
 def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
              timeout: float = 420, extra: tuple = (), groups: int = 3, start_delays: tuple = (),
-             failing: tuple = ()) -> dict:
+             failing: tuple = ()) -> tuple[dict, str]:
     """Run the launcher; every group but those in `failing` must exit 0 (and those must not).
-    Returns the groups' exit codes."""
+    Returns the groups' exit codes and what the launcher printed, which must show group 0's
+    progress and each group's last line with its exit code (a `done:` line where it is 0)."""
     argv = [sys.executable, str(LAUNCHER), "--groups", str(groups), "--ranks-per-group", "2",
             "--min-groups", str(min_groups), "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000",
             "--heartbeat-timeout-ms", "1000", "--timeout", str(timeout),
@@ -59,7 +60,11 @@ def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max
     expected = {str(g): g in failing for g in range(groups)}
     assert {name: code != 0 for name, code in codes.items()} == expected, \
         f"elastic run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}{logs}"
-    return codes
+    assert re.search(r"^\[group 0\] step +\d+/\d+ \| loss ", done.stdout, re.M), done.stdout[-3000:]
+    for name, code in codes.items():
+        last = re.search(rf"^\[group {name}\] exit code {code}: (.+)$", done.stdout, re.M)
+        assert last and (code != 0 or last.group(1).startswith("done: ")), (name, code, done.stdout[-3000:])
+    return codes, done.stdout
 
 
 def _records(path: Path) -> list[dict]:
@@ -116,7 +121,8 @@ HEAVY = pytest.mark.heavy  # `make test-heavy` (make test leaves them out to sta
 def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # global rank 3 = rank 1 of group 1, killed in the forward-backward of step 6 (between syncs 4 and 8)
-    _elastic(run, steps, min_groups=2, fault="kill:forward-backward:6:3," + PAUSE, max_restarts=1, extra=extra)
+    _, shown = _elastic(run, steps, min_groups=2, fault="kill:forward-backward:6:3," + PAUSE, max_restarts=1,
+                        extra=extra)
     summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
     for g in (0, 2):  # the survivors never restarted: one run from step 1 to the end
         assert summaries[g]["first_step"] == 1 and summaries[g]["last_step"] == steps
@@ -142,6 +148,13 @@ def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     log = (run / "launch" / "group_0.log").read_text()
     assert "group(s) 1 left the federation" in log and "group(s) 1 healed from the live group(s) 0, 2" in log
     assert "no checkpoint read" in (run / "launch" / "group_1.log").read_text()
+    # the launcher showed all of it as it happened, each line marked with the group that logged it
+    for line in ("[group 1] torchrun: failed (exitcode: -9) local_rank: 1", "[group 1] restarted by torchrun (attempt 2)",
+                 "[group 0] step 8: group(s) 1 left the federation (live: 0, 2)",
+                 "[group 2] step 8: group(s) 1 left the federation (live: 0, 2)",
+                 "[group 1] healed from the live groups at step 12",
+                 "[group 0] step 12: group(s) 1 healed from the live group(s) 0, 2"):
+        assert line in shown, (line, shown[-3000:])
 
 
 # FL+HSDP with replica split: of each surviving group only replica 1 (rank 1) loses its peer, while
@@ -248,9 +261,12 @@ def test_the_whole_federation_resumes_exactly_from_each_groups_own_checkpoints(t
 def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_ones(tmp_path):
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     # every sync needs all 3 groups; group 1 (federation rank 2) is killed in step 6 for good
-    codes = _elastic(run, 12, min_groups=3, fault="kill:forward-backward:6:2", failing=(0, 1, 2),
-                     extra=("--fl-quorum-timeout-minutes", "0.25", "--save", str(ckpt), "--save-interval", "4"))
+    codes, shown = _elastic(run, 12, min_groups=3, fault="kill:forward-backward:6:2", failing=(0, 1, 2),
+                            extra=("--fl-quorum-timeout-minutes", "0.25", "--save", str(ckpt), "--save-interval", "4"))
     for g in (0, 2):
+        assert f"[group {g}] stopping after step 8 (too few groups at the sync of step 8" in shown, shown[-3000:]
+        assert f"[group {g}] exit code {codes[str(g)]}: fl_megatron.pretrain: error: group {g}: fewer than --fl-min-groups 3" \
+            in shown, shown[-3000:]
         log = (run / "launch" / f"group_{g}.log").read_text()
         # every rank exited with TOO_FEW_GROUPS_EXIT_CODE (torchrun itself exits 1 after any failure)
         assert len(re.findall(r"exitcode\s*:\s*5 ", log)) == 2 and codes[str(g)] != 0

@@ -41,10 +41,7 @@ def test_the_status_page_names_the_heartbeating_groups_and_the_missing_ones():
 
 
 def test_an_unreachable_lighthouse_is_said_not_guessed():
-    import socket
+    from fl_megatron.launching.ports import free_port
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    missing, text = missing_groups_text(f"127.0.0.1:{port}", 3)
+    missing, text = missing_groups_text(f"127.0.0.1:{free_port()}", 3)  # a port nobody listens on
     assert missing is None and "could not be read" in text

@@ -19,6 +19,7 @@ import pytest
 
 from examples_helpers import (EXAMPLES, ROOT, batch_dry_runs, check_plan, clean_env, make_fakes, pretrain_args, run,
                               shown_command)
+from fl_megatron.launching.ports import free_port
 
 ELASTIC = EXAMPLES / "slurm" / "elastic"
 SUBMIT, GROUP, LIGHTHOUSE = ELASTIC / "submit.sh", ELASTIC / "group.sbatch", ELASTIC / "lighthouse.sbatch"
@@ -267,17 +268,11 @@ def test_group_job_restarts_a_failed_step(codes, max_restarts, runs, rc, says, f
     assert all(args == steps[0][0] for args, _, _ in steps)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_lighthouse_job_publishes_its_address_and_removes_it(tmp_path):
     if not (ROOT / ".venv" / "bin" / "torchft_lighthouse").exists() and not any(
             (Path(d) / "torchft_lighthouse").exists() for d in os.environ.get("PATH", "").split(os.pathsep)):
         pytest.skip("torchft_lighthouse is not installed")
-    port, address = _free_port(), tmp_path / "launch" / "lighthouse.addr"
+    port, address = free_port(), tmp_path / "launch" / "lighthouse.addr"
     env = clean_env(FL_MIN_GROUPS="5", FL_JOIN_TIMEOUT_MS="7000", FL_HEARTBEAT_TIMEOUT_MS="900",
                     FL_LIGHTHOUSE_PORT=str(port), FL_LIGHTHOUSE_FILE=str(address), FL_LIGHTHOUSE_HOST="127.0.0.1",
                     SLURM_SUBMIT_DIR=str(ROOT))

@@ -21,7 +21,9 @@ from cli_utils import TINY, run_pretrain, step_records
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft); the peer needs it")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "peers"))
-from torchft_launch import LIGHTHOUSE_EXE, run_torchft, torchft_commands  # noqa: E402
+from torchft_launch import run_torchft, torchft_commands  # noqa: E402
+
+from fl_megatron.launching.lighthouse import LIGHTHOUSE_EXE  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,6 @@ import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,8 +32,9 @@ from cluster_bench.link_counters import LinkCounters, read_counters
 from cluster_bench.netns_ops import (NetnsError, add_namespace, build_bridge, configure_node,
                                      delete_namespace, namespace_pids, node_address, quiet_ipv6,
                                      set_root_qdisc, tbf_params, write_hosts_file)
-from cluster_bench.proc_tree import stop_all
 from cluster_bench.stale_cleanup import cleanup_stale
+from fl_megatron.launching.ports import free_port
+from fl_megatron.launching.tree import stop_all
 
 __all__ = ["EmulatedCluster", "JobResult", "LinkCounters", "cleanup_stale", "run_job",
            "torchrun_command"]
@@ -110,9 +110,7 @@ class EmulatedCluster:
         self._check_active()
         if self.mode == "netns":
             return next(self._ports)  # node 0's namespace is ours alone
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return free_port()
 
     # ----- lifecycle
     def __enter__(self) -> "EmulatedCluster":

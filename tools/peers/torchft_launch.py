@@ -2,7 +2,8 @@
 """Launch the torchft peer: one lighthouse plus one torchrun job per replica group.
 
 `torchft_commands(...)` builds the commands (argv + environment); `run_torchft(...)` starts them,
-waits with a timeout and kills every process group it started on failure, timeout or Ctrl-C.
+waits with a timeout and stops every process it started, with all their descendants, at the end
+and on failure, timeout or Ctrl-C (fl_megatron.launching).
 Quick run on loopback:
 
     python tools/peers/torchft_launch.py --groups 2 --ranks-per-group 2 -- \\
@@ -14,28 +15,19 @@ which resets the environment (sudo) cannot drop them.
 """
 
 import argparse
-import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fl_megatron.launching.commands import Command, flag_value, start
+from fl_megatron.launching.lighthouse import LIGHTHOUSE_EXE, lighthouse_command, start_lighthouse
+from fl_megatron.launching.ports import free_port
+from fl_megatron.launching.tree import stop_all
+
 WORKER = Path(__file__).resolve().parent / "torchft_train.py"
-LIGHTHOUSE_EXE = "torchft_lighthouse"
-
-
-@dataclass(frozen=True)
-class Command:
-    """One process to start: argv and the variables to add to the launcher's environment."""
-
-    name: str
-    argv: list
-    env: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,21 +49,6 @@ class TorchftResult:
     @property
     def ok(self) -> bool:
         return self.failure is None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _flag_value(flags: Sequence[str], name: str) -> Optional[str]:
-    for i, flag in enumerate(flags):
-        if flag == name and i + 1 < len(flags):
-            return flags[i + 1]
-        if flag.startswith(name + "="):
-            return flag.split("=", 1)[1]
-    return None
 
 
 def _prefixed(prefix: Sequence[str], argv: list, env: dict) -> list:
@@ -120,7 +97,7 @@ def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequen
         if values is not None and len(values) != num_groups:
             problems.append(f"{name} has {len(values)} entries for {num_groups} replica groups")
     for flag in ("--advertise-host", "--min-replicas", "--fl-num-groups", "--world-size"):
-        if _flag_value(worker_flags, flag) is not None or flag in worker_flags:
+        if flag_value(worker_flags, flag) is not None or flag in worker_flags:
             problems.append(f"{flag} is set by the launcher; drop it from the worker flags")
     if problems:
         raise ValueError("; ".join(problems))
@@ -128,14 +105,11 @@ def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequen
     hosts = list(advertise_hosts) if advertise_hosts is not None else ["127.0.0.1"] * num_groups
     ports = list(master_ports) if master_ports is not None else [free_port() for _ in range(num_groups)]
     lighthouse_addr = lighthouse_addr or f"127.0.0.1:{free_port()}"
-    lighthouse_env = {"RUST_LOG": "warn"}
-    lighthouse_argv = [str(Path(python).parent / LIGHTHOUSE_EXE), "--bind", lighthouse_bind or lighthouse_addr,
-                       "--min_replicas", str(min_replicas or num_groups), "--quorum_tick_ms", str(quorum_tick_ms),
-                       "--join_timeout_ms", str(join_timeout_ms)]
-    if heartbeat_timeout_ms is not None:
-        lighthouse_argv += ["--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
+    bare = lighthouse_command(lighthouse_bind or lighthouse_addr, min_replicas or num_groups,
+                              join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=heartbeat_timeout_ms,
+                              quorum_tick_ms=quorum_tick_ms, python=python)
     replicas = ["--min-replicas", str(min_replicas)] if min_replicas is not None else []
-    lighthouse = Command("lighthouse", _prefixed(lighthouse_prefix, lighthouse_argv, lighthouse_env), lighthouse_env)
+    lighthouse = Command("lighthouse", _prefixed(lighthouse_prefix, bare.argv, bare.env), bare.env)
     groups = []
     for g in range(num_groups):
         env = {"TORCHFT_LIGHTHOUSE": f"http://{lighthouse_addr}", "REPLICA_GROUP_ID": str(g),
@@ -146,44 +120,8 @@ def torchft_commands(num_groups: int, ranks_per_group: int, worker_flags: Sequen
                 *_rendezvous(hosts[g], ports[g], max_restarts), str(WORKER),
                 *worker_flags, *replicas, "--advertise-host", hosts[g]]
         groups.append(Command(f"group{g}", _prefixed(prefixes[g], argv, env), env))
-    run_dir = Path(_flag_value(worker_flags, "--run-dir") or "runs/latest")
+    run_dir = Path(flag_value(worker_flags, "--run-dir") or "runs/latest")
     return TorchftPlan(lighthouse, groups, lighthouse_addr, run_dir)
-
-
-def _start(command: Command, log_dir: Path) -> tuple[subprocess.Popen, Path]:
-    log = log_dir / f"{command.name}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command.argv, env={**os.environ, **command.env}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, log
-
-
-def _kill(procs: list) -> None:
-    """SIGTERM each still running process group, then SIGKILL whatever is left after 5 s."""
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        alive = [p for p in procs if p.poll() is None]
-        for p in alive:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-def _wait_listening(addr: str, proc: subprocess.Popen, timeout: float) -> None:
-    host, port = addr.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the lighthouse exited with code {proc.returncode}")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"the lighthouse did not listen on {addr} within {timeout:.0f} s")
 
 
 STRANDED_GRACE_S = 60.0  # normal ends of groups are seconds apart; a stranded group waits far longer
@@ -220,17 +158,17 @@ def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Pat
     log_dir.mkdir(parents=True, exist_ok=True)
     if wait_lighthouse is None:
         wait_lighthouse = plan.lighthouse.argv[0].endswith(LIGHTHOUSE_EXE)
-    started, logs, codes, failure = [], {}, [None] * len(plan.groups), None
-    stranded = StrandedWatch(int(_flag_value(plan.lighthouse.argv, "--min_replicas") or len(plan.groups)))
+    started, groups, logs, codes, failure = [], [], {}, [None] * len(plan.groups), None
+    stranded = StrandedWatch(int(flag_value(plan.lighthouse.argv, "--min_replicas") or len(plan.groups)))
     begin = time.monotonic()
     try:
-        lighthouse, logs["lighthouse"] = _start(plan.lighthouse, log_dir)
-        started.append(lighthouse)
         if wait_lighthouse:
-            _wait_listening(plan.lighthouse_addr, lighthouse, 30.0)
-        groups = []
+            lighthouse, logs["lighthouse"] = start_lighthouse(plan.lighthouse, log_dir, plan.lighthouse_addr)
+        else:
+            lighthouse, logs["lighthouse"] = start(plan.lighthouse, log_dir)
+        started.append(lighthouse)
         for command in plan.groups:
-            proc, logs[command.name] = _start(command, log_dir)
+            proc, logs[command.name] = start(command, log_dir)
             started.append(proc)
             groups.append(proc)
         while failure is None:
@@ -247,12 +185,8 @@ def run_torchft(plan: TorchftPlan, timeout: float = 600.0, log_dir: Optional[Pat
             else:
                 failure = stranded.check(codes, time.monotonic())
                 time.sleep(0.1)
-    except BaseException as e:
-        failure = failure or f"launcher stopped: {e!r}"
-        _kill(started)
-        raise
     finally:
-        _kill(started)  # the lighthouse always, and any group still running
+        stop_all(started)  # the lighthouse always, and any group still running, with their descendants
     return TorchftResult([p.returncode for p in groups] if failure else codes, plan.run_dir, logs,
                          time.monotonic() - begin, failure)
 
