@@ -44,6 +44,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             env = _elastic_env(cfg, env)
         except ValueError as e:
             return _fail(str(e))
+        if not dry_run:
+            from .elastic.refusal import restart_refusal
+
+            refused = restart_refusal(cfg.training.run_dir)
+            if refused:  # torchrun restarted a group the federation refused: a restart cannot help
+                return _fail(f"not restarting: this job's previous attempt was refused: {refused}")
     world = env.world_size
     # a dry run plans for --world-size, not for the processes that happen to run it
     planning = dry_run and (cfg.parallel.world_size or "LOCAL_WORLD_SIZE" not in os.environ)

@@ -13,6 +13,9 @@ from ..federation.groups import ProcessGroups, build_process_groups
 from ..federation.membership import Membership
 from ..topology import Layout
 from .peer_tier import ElasticPeerTier
+from .refusal import Refusal
+from .signature import Signature
+from .waiting import WaitWatch
 
 
 @dataclass
@@ -57,18 +60,26 @@ def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, ti
 
 def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: str, timeout: timedelta,
               state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
-              training_step: Callable[[], int]) -> ElasticPeerTier:
+              training_step: Callable[[], int], signature: Signature, say: Callable[[str], None],
+              run_dir: Optional[str] = None) -> ElasticPeerTier:
     """This rank's torchft manager (collective over the job). Its group's manager server starts
     on rank 0 first: torchft publishes the server's address in the job's store, where a restarted
-    job would otherwise find its previous attempt's address."""
+    job would otherwise find its previous attempt's address. `signature`: what the groups must
+    agree on (refused at the first meeting otherwise, see waiting.py); `say`: the console."""
     address = fed.lighthouse if "://" in fed.lighthouse else f"http://{fed.lighthouse}"
+    store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+    # every rank watches from here on, also while rank 0 alone reaches the lighthouse
+    refusal = Refusal(store_addr, store_port, job_rank, job_size, run_dir,
+                      os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    watch = WaitWatch(fed.lighthouse, fed.group_id, signature, job_rank, say, refusal)
 
     def tier() -> ElasticPeerTier:
-        return ElasticPeerTier(fed.group_id, job_rank, job_size, address, os.environ["MASTER_ADDR"],
-                               int(os.environ["MASTER_PORT"]), fed.min_groups, state_dict, load_state_dict,
-                               device_type, timeout=timeout,
+        return ElasticPeerTier(fed.group_id, job_rank, job_size, address, store_addr, store_port, fed.min_groups,
+                               state_dict, load_state_dict, device_type, timeout=timeout,
                                quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes),
-                               training_step=training_step, num_groups=fed.num_groups)
+                               training_step=training_step, num_groups=fed.num_groups, watch=watch,
+                               replica_id=signature.replica_id(fed.group_id))
 
     made = tier() if job_rank == 0 else None
     dist.barrier()

@@ -2,14 +2,16 @@
 over the live federation groups, rank k of each group meeting rank k of the others."""
 
 import time
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from ..federation.membership import Membership, TooFewGroups
 from .lighthouse_status import missing_groups_text
 from .quorum_group import registered_quorum_group, unregister_quorum_group
+from .waiting import WaitWatch
 
 
 def _torchft():
@@ -30,7 +32,8 @@ class ElasticPeerTier:
                  store_port: int, min_groups: int, state_dict: Callable[[], dict],
                  load_state_dict: Callable[[dict], None], device_type: str = "cpu",
                  timeout: timedelta = timedelta(seconds=60), quorum_timeout: timedelta = timedelta(minutes=60),
-                 training_step: Callable[[], int] = lambda: 0, num_groups: int = 0) -> None:
+                 training_step: Callable[[], int] = lambda: 0, num_groups: int = 0,
+                 watch: Optional[WaitWatch] = None, replica_id: Optional[str] = None) -> None:
         if group_id < 0 or min_groups < 1:
             raise ValueError(f"group id {group_id} and minimum groups {min_groups}: need >= 0 and >= 1")
         Manager, ProcessGroupGloo, ProcessGroupNCCL = _torchft()
@@ -41,13 +44,27 @@ class ElasticPeerTier:
         self._pg = ProcessGroupNCCL(timeout=timeout) if self.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
         # use_async_quorum=False: the quorum (and any healing) completes inside `meet`, before
         # the sync's collectives; init_sync=False: every group starts from the same seeded values
-        self.manager = Manager(pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict,
-                               min_replica_size=min_groups, use_async_quorum=False, init_sync=False,
-                               timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
-                               rank=group_rank, world_size=group_size, store_addr=store_addr,
-                               store_port=store_port, lighthouse_addr=lighthouse, replica_id=f"group_{group_id}")
+        self._watch = watch
+        with self._waiting(lambda: "this group's torchft manager to reach the lighthouse"):
+            self.manager = Manager(pg=self._pg, load_state_dict=load_state_dict, state_dict=state_dict,
+                                   min_replica_size=min_groups, use_async_quorum=False, init_sync=False,
+                                   timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
+                                   rank=group_rank, world_size=group_size, store_addr=store_addr,
+                                   store_port=store_port, lighthouse_addr=lighthouse,
+                                   replica_id=replica_id or f"group_{group_id}")
         self._registered = None
         self._training_step = training_step
+
+    def _waiting(self, what: Callable[[], str]):
+        return self._watch.waiting(what) if self._watch is not None else nullcontext()
+
+    def _quorum_text(self, first: bool) -> str:
+        if self.manager._healing:  # torchft's flag, set on its quorum thread while the state travels
+            return "this group's heal from the live groups (their state on its way here)"
+        need = f"at least --fl-min-groups {self.min_groups} of {self.num_groups} groups"
+        if first:
+            return f"the groups' first meeting ({need})"
+        return f"the quorum of the sync after step {self._training_step()} ({need})"
 
     @property
     def has_quorum(self) -> bool:
@@ -68,8 +85,12 @@ class ElasticPeerTier:
         # source, any group behind them (restarted, slow, or resumed from an older checkpoint) heals
         before = self._training_step()
         self.manager.load_state_dict({"step": before, "batches_committed": self.manager.batches_committed()})
+        first = not self.has_quorum
         try:
-            self.manager.start_quorum()
+            with self._waiting(lambda: self._quorum_text(first)):
+                if first and self._watch is not None:  # a group that differs leaves before it meets or heals
+                    self._watch.check_now()
+                self.manager.start_quorum()
         except TimeoutError as e:  # the lighthouse never had --fl-min-groups groups asking
             waited = time.perf_counter() - start
             _, text = missing_groups_text(self.lighthouse, self.num_groups)
@@ -82,6 +103,9 @@ class ElasticPeerTier:
         if raw is not self._registered:
             unregister_quorum_group(self._registered)
             self._registered = registered_quorum_group(raw, self.backend, self.manager._quorum_id, self._pg._rank)
+        if first and self._watch is not None:  # and one that raced it into this quorum leaves now
+            self._watch.check_now()
+            self._watch.met()
         groups = tuple(r // self.group_size for r in self._pg._global_ranks)
         healed = self.manager.current_step() != before
         if self.manager.errored() is not None:  # the quorum's communicator or the healing failed
@@ -101,4 +125,6 @@ class ElasticPeerTier:
     def close(self) -> None:
         unregister_quorum_group(self._registered)
         self._registered = None
+        if self._watch is not None:
+            self._watch.close()
         self.manager.shutdown(wait=False)

@@ -115,10 +115,13 @@ class Trainer:
             return build_process_groups(self.layout, self.device.type, timeout,
                                         exchange=bool(fed.overlap_steps) or (fed.tune and fed.tune_overlap),
                                         async_checkpoint=cfg.checkpoint.async_save)
-        from ..elastic import build_elastic_process_groups, join_tier
+        from ..elastic import build_elastic_process_groups, federation_signature, join_tier
+        from ..models import count_parameters
 
+        signature = federation_signature(self.run, count_parameters(cfg.model))
         tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, self.device.type, timeout,
-                         self.healing.source, self.healing.receive, lambda: self.healing.step)
+                         self.healing.source, self.healing.receive, lambda: self.healing.step, signature,
+                         lambda text: say(text, self.is_writer), cfg.training.run_dir)
         return build_elastic_process_groups(self.layout, self.env.rank, self.device.type, tier, timeout,
                                             async_checkpoint=cfg.checkpoint.async_save)
 
