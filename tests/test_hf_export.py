@@ -101,6 +101,8 @@ def test_init_from_hf_reads_each_rank_its_rows(checkpoint, tmp_path):
 
 
 TEXTS = ["Hello world", "two  spaces and\nnewline", "  leading spaces", "The quick brown fox, 1234!", " leading space", "zz", ""]
+# and what SentencePiece does its own way: tabs, newlines, characters it only has as bytes, "<s>" as text
+HARD = TEXTS + ["\ttab\t", "\n\nlines\n", "trailing  ", "Grüße 日本 😀🚀", "a <s> b </s>", "   "]
 
 
 def _sentencepiece_model(path: Path, dummy_prefix: bool, vocab_size: int = 320) -> Path:
@@ -133,25 +135,33 @@ def _tokenizer_json(path: Path) -> Path:
 @pytest.mark.parametrize("kind", ["GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer"])
 def test_export_with_the_runs_tokenizer_gives_autotokenizer_our_ids(checkpoint, tmp_path, kind):
     """A run trained on a custom tokenizer: --tokenizer puts it in the export (a SentencePiece
-    model without or with its prefix space and BOS, or a tokenizer.json with a post-processor),
-    and AutoTokenizer on the directory gives our tokenizer's ids; config.json names bos/eos."""
+    model as train_sentencepiece trains it, or with a prefix space and BOS, or a tokenizer.json
+    with a post-processor), and AutoTokenizer on the directory gives our tokenizer's ids and
+    decodes them to our text, from tokenizer.json alone; config.json names bos/eos."""
     import json
 
     from fl_megatron.convert.from_checkpoint import convert
+    from fl_megatron.data.corpus import demo_corpus_path, load_documents
     from fl_megatron.data.text_tokenizers import build_tokenizer
+    from fl_megatron.data.tokenizer import train_sentencepiece
 
-    path = _tokenizer_json(tmp_path / "tokenizer.json") if kind == "HuggingFaceTokenizer" else \
-        _sentencepiece_model(tmp_path / "sp.model", dummy_prefix=kind == "Llama2Tokenizer")
+    if kind == "HuggingFaceTokenizer":
+        path = _tokenizer_json(tmp_path / "tokenizer.json")
+    elif kind == "Llama2Tokenizer":
+        path = _sentencepiece_model(tmp_path / "sp.model", dummy_prefix=True)
+    else:
+        path = train_sentencepiece(load_documents(demo_corpus_path())[:20], 480, tmp_path / "sp.model")
     out = convert(str(checkpoint), str(tmp_path / "hf"), dtype="fp32", log=lambda *_: None,
                   tokenizer=str(path), tokenizer_type=kind)
+    if kind != "HuggingFaceTokenizer":  # no conversion at load time: transformers never reads the .model
+        (out / "tokenizer.model").unlink()
     ours = build_tokenizer(kind, path)
     theirs = transformers.AutoTokenizer.from_pretrained(out)
-    for text in TEXTS:
-        if kind == "Llama2Tokenizer" and text.startswith(" "):
-            # tokenizers' Metaspace adds no prefix space before a leading space, SentencePiece does
-            # (a known difference; the models tools/train_tokenizer.py trains have no prefix space)
-            continue
-        assert theirs(text)["input_ids"] == ours.encode(text), (kind, text)
+    for text in HARD:
+        ids = theirs(text)["input_ids"]
+        assert ids == ours.encode(text), (kind, text, theirs.convert_ids_to_tokens(ids))
+        if kind != "HuggingFaceTokenizer":  # SentencePiece decodes control pieces to nothing
+            assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids), (kind, text)
     config = json.loads((out / "config.json").read_text())
     generation = json.loads((out / "generation_config.json").read_text())
     assert config["eos_token_id"] == generation["eos_token_id"] == ours.eod_id == theirs.eos_token_id

@@ -1,10 +1,12 @@
 """The run's tokenizer for a Hugging Face directory: files `AutoTokenizer` loads to give the same
 ids as our tokenizer, and the special-token ids config.json and generation_config.json name.
 
-A SentencePiece `.model` becomes tokenizer.model plus a tokenizer_config.json for transformers'
-LlamaTokenizer (built from the model's pieces), with its prefix space as the model has it and a
-BOS only for Megatron-LM's Llama2Tokenizer type. A `tokenizer.json` is copied as it is, loaded
-with PreTrainedTokenizerFast (its post-processor adds what ours adds).
+A SentencePiece `.model` becomes a tokenizer.json giving its ids (`sentencepiece_fast`; with a
+post-processor adding the BOS for Megatron-LM's Llama2Tokenizer type only), kept beside the
+model itself (tokenizer.model); tokenizer_config.json names PreTrainedTokenizerFast, which loads
+tokenizer.json as it is in transformers 4 and 5, and `split_special_tokens`, so that "<s>" in a
+text is characters there too. A `tokenizer.json` is copied as it is, loaded with
+PreTrainedTokenizerFast (its post-processor adds what ours adds).
 """
 
 import json
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..data.text_tokenizers import HUGGINGFACE_TYPE, SENTENCEPIECE_TYPES, build_tokenizer
+from .sentencepiece_fast import to_hf_tokenizer
 
 HF_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
 TOKENIZER_TYPES = SENTENCEPIECE_TYPES + (HUGGINGFACE_TYPE,)
@@ -47,15 +50,22 @@ def export_tokenizer(path, tokenizer_type: Optional[str] = None) -> ExportedToke
 
 
 def _sentencepiece(ours, kind: str) -> ExportedTokenizer:
+    from tokenizers.processors import TemplateProcessing
+
     sp = ours._tok._sp
     piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
     bos = sp.bos_id() if sp.bos_id() >= 0 else None
-    prefix_space = sp.encode_as_pieces("a")[0].startswith("\u2581")  # the model's add_dummy_prefix
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": kind == "Llama2Tokenizer",
-              "add_eos_token": False, "add_prefix_space": prefix_space, "legacy": False,
+    model = Path(ours.model_path).read_bytes()
+    fast = to_hf_tokenizer(model)
+    add_bos = kind == "Llama2Tokenizer" and bos is not None  # what SentencePieceTextTokenizer adds
+    if add_bos:
+        fast.post_processor = TemplateProcessing(single=f"{piece(bos)} $A", pair=f"{piece(bos)} $A {piece(bos)} $B:1",
+                                                 special_tokens=[(piece(bos), bos)])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": False,
               "bos_token": piece(sp.bos_id()), "eos_token": piece(ours.eod_id), "unk_token": piece(sp.unk_id()),
-              "pad_token": piece(sp.pad_id()), "model_max_length": 1 << 30}
-    files = {"tokenizer.model": Path(ours.model_path).read_bytes(), "tokenizer_config.json": _json(config)}
+              "pad_token": piece(sp.pad_id()), "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+              "model_max_length": 1 << 30}
+    files = {"tokenizer.json": fast.to_str().encode(), "tokenizer.model": model, "tokenizer_config.json": _json(config)}
     return ExportedTokenizer(files, bos, ours.eod_id, f"SentencePiece {ours.model_path} ({kind})", ours.vocab_size)
 
 
