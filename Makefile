@@ -13,7 +13,7 @@ export FL_MEGATRON_DEVICE ?= cpu
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy lint bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
+.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy check-targets lint bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -83,6 +83,12 @@ demo-elastic: $(VENV)/.elastic
 # ruff first (ruff.toml: pyflakes, pycodestyle, bugbear): seconds, and a lint error stops the run
 test: $(VENV)/.test-extras lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)
+
+# Each README target (demo, demo-hf, demo-deepspeed, demo-elastic, the megatron demo) briefly, in a
+# fresh copy of the tree with its own environment built from scratch: make test's environment holds
+# every extra and would hide a missing install step (tools/check_targets.py; CI runs it after make test).
+check-targets:
+	$(PYTHON) tools/check_targets.py --python $(PYTHON) $(ARGS)
 
 lint: $(VENV)/.test-extras
 	$(BIN)/ruff check .
