@@ -8,7 +8,7 @@ target there briefly with `make`, which builds that target's own environment fro
 check also reads what the target printed (the demo's final line, the continued prompt, every
 elastic group's last line). Prints one line per check and a table of times; exits 1 if any failed.
 
-    python3 tools/check_targets.py                 # every target (about 15 minutes on 2 cores)
+    python3 tools/check_targets.py                 # every target (about 10 minutes on 2 cores)
     python3 tools/check_targets.py --only demo-hf  # one (demo-hf runs the demo first, as a user would)
     python3 tools/check_targets.py --keep          # keep the scratch copies (their logs)
 
