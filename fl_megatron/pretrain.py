@@ -69,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not dry_run:
             check_backend_package(cfg.parallel.backend)
             check_dashboard_packages(cfg.training)
-            env.device  # noqa: B018  (a GPU per rank, or FL_MEGATRON_DEVICE=cpu: said before any process group)
+            env.collectives  # noqa: B018  (a GPU per rank or FL_MEGATRON_DEVICE=cpu, and the library: said first)
         _check_sources(run)
         samples = _open_data(run)
     except (ValueError, OSError) as e:

@@ -81,3 +81,35 @@ def test_device_choice_one_gpu_per_rank_or_cpu(monkeypatch):
     monkeypatch.setenv("FL_MEGATRON_DEVICE", "gpu")
     with pytest.raises(ValueError, match="is not one of auto, cpu, cuda"):
         _ = env.device
+
+
+def test_gloo_on_cuda_shares_a_gpu_and_nccl_insists_on_gpus(monkeypatch):
+    """FL_MEGATRON_DIST_BACKEND=gloo: CUDA ranks on gloo, several to a GPU (rank r on GPU r mod
+    count), as tools/gpu_check.py runs two groups on one GPU; nccl needs GPU ranks; auto: NCCL on
+    GPUs, gloo on CPU; anything else is refused by name."""
+    import pytest
+    import torch
+
+    from fl_megatron.training.launch import LaunchEnv
+
+    env = LaunchEnv(rank=3, world_size=4, local_rank=3, local_world_size=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("FL_MEGATRON_DEVICE", "cuda")
+    monkeypatch.setenv("FL_MEGATRON_DIST_BACKEND", "gloo")
+    assert (env.device, env.collectives) == (torch.device("cuda", 1), "gloo")
+    monkeypatch.setenv("FL_MEGATRON_DIST_BACKEND", "nccl")
+    with pytest.raises(ValueError, match="local rank 3 has no GPU of its own"):
+        _ = env.collectives
+    first = LaunchEnv(rank=1, world_size=4, local_rank=1, local_world_size=4)
+    assert (first.device, first.collectives) == (torch.device("cuda", 1), "nccl")
+    monkeypatch.setenv("FL_MEGATRON_DIST_BACKEND", "auto")
+    assert first.collectives == "nccl"
+    monkeypatch.setenv("FL_MEGATRON_DEVICE", "cpu")
+    assert first.collectives == "gloo"
+    monkeypatch.setenv("FL_MEGATRON_DIST_BACKEND", "nccl")
+    with pytest.raises(ValueError, match="nccl needs GPU ranks"):
+        _ = first.collectives
+    monkeypatch.setenv("FL_MEGATRON_DIST_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="'mpi' is not one of auto, nccl, gloo"):
+        _ = first.collectives

@@ -82,8 +82,9 @@ class ProcessGroups:
 
 def _timeout_options(device_type: str, timeout: timedelta):
     """(backend, options) giving a mesh dimension's groups `timeout`: without them torch gives
-    subgroups its default (30 min gloo, 10 min NCCL), not the job's --distributed-timeout-minutes."""
-    if device_type == "cuda" and hasattr(dist, "ProcessGroupNCCL"):
+    subgroups its default (30 min gloo, 10 min NCCL), not the job's --distributed-timeout-minutes.
+    The job's own library: NCCL for CUDA ranks unless the job runs them on gloo."""
+    if device_type == "cuda" and dist.get_backend() == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         backend, options = "nccl", dist.ProcessGroupNCCL.Options()
     else:
         backend, options = "gloo", dist.ProcessGroupGloo._Options()

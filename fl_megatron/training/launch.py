@@ -38,10 +38,25 @@ class LaunchEnv:
                          self.local_world_from_launcher, (self.rank, size))
 
     @property
+    def collectives(self) -> str:
+        """The job's collective library: NCCL on GPUs, gloo on CPU ranks. FL_MEGATRON_DIST_BACKEND=gloo
+        puts CUDA ranks on gloo (collectives staged through host memory: slow, for checks on a
+        machine with fewer GPUs than ranks, tools/gpu_check.py's on one GPU); =nccl insists on NCCL."""
+        choice = os.environ.get("FL_MEGATRON_DIST_BACKEND", "auto")
+        if choice not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"FL_MEGATRON_DIST_BACKEND={choice!r} is not one of auto, nccl, gloo")
+        on_gpu = self.device.type == "cuda"
+        if choice == "nccl" and not on_gpu:
+            raise ValueError("FL_MEGATRON_DIST_BACKEND=nccl needs GPU ranks, and these run on the CPU "
+                             "(FL_MEGATRON_DEVICE, or torch sees no GPU)")
+        return "gloo" if choice == "gloo" or not on_gpu else "nccl"
+
+    @property
     def device(self) -> torch.device:
         """One GPU per rank where CUDA is available (cuda:LOCAL_RANK), else the CPU with gloo.
         FL_MEGATRON_DEVICE=cpu forces CPU ranks (the demo and the tests on a GPU machine);
-        more ranks on a node than GPUs is refused (NCCL cannot put two ranks on one GPU)."""
+        more ranks on a node than GPUs is refused (NCCL cannot put two ranks on one GPU), except
+        on gloo (FL_MEGATRON_DIST_BACKEND=gloo): rank r then shares GPU r mod (GPUs on the node)."""
         choice = os.environ.get("FL_MEGATRON_DEVICE", "auto")
         if choice not in ("auto", "cpu", "cuda"):
             raise ValueError(f"FL_MEGATRON_DEVICE={choice!r} is not one of auto, cpu, cuda")
@@ -51,6 +66,8 @@ class LaunchEnv:
             raise ValueError("FL_MEGATRON_DEVICE=cuda but torch sees no GPU (a CPU build of torch, or no driver)")
         count = torch.cuda.device_count()
         if self.local_rank >= count:
+            if os.environ.get("FL_MEGATRON_DIST_BACKEND") == "gloo":
+                return torch.device("cuda", self.local_rank % count)
             raise ValueError(f"local rank {self.local_rank} has no GPU of its own: this node has {count} and "
                              f"{self.local_world_size} ranks; launch at most {count} per node, or set "
                              "FL_MEGATRON_DEVICE=cpu for CPU ranks on gloo")
@@ -94,7 +111,7 @@ def read_launch_env() -> LaunchEnv:
 
 def init_distributed(env: LaunchEnv, timeout_minutes: float) -> None:
     """Create the default process group (the job's: in elastic mode one federation group's): NCCL on
-    GPUs, gloo on CPU; one process needs no launcher."""
+    GPUs, gloo on CPU (LaunchEnv.collectives); one process needs no launcher."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -107,10 +124,9 @@ def init_distributed(env: LaunchEnv, timeout_minutes: float) -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", str(env.job_rank))
     os.environ.setdefault("WORLD_SIZE", str(env.job_world_size))
-    device = env.device
+    device, backend = env.device, env.collectives
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            rank=env.job_rank, world_size=env.job_world_size,
+    dist.init_process_group(backend, rank=env.job_rank, world_size=env.job_world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if backend == "nccl" else None)
