@@ -182,3 +182,24 @@ def test_missing_megatron_and_an_impostor_apex_are_named_before_anything_starts(
     with pytest.raises(ValueError, match=r"needs megatron_absent.core, which is not installed: "
                                          r"pip install -e \"\.\[megatron\]\""):
         check_backend_package("megatron")
+
+
+def test_softmax_fusion_only_where_megatron_lms_kernels_are_installed(monkeypatch):
+    """On CUDA, megatron-core's bf16 attention imports Megatron-LM's compiled softmax kernels at its
+    first forward when masked_softmax_fusion is on; the megatron-core wheel lacks them, so the
+    fusion is asked for only when they can be imported (and never on CPU)."""
+    import importlib.util
+
+    import torch
+
+    from fl_megatron.backends import megatron_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert importlib.util.find_spec("scaled_masked_softmax_cuda") is None  # the wheel, as installed here
+    assert megatron_model.softmax_fusion() is False
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name.endswith("softmax_cuda") else real(name, *a))
+    assert megatron_model.softmax_fusion() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert megatron_model.softmax_fusion() is False

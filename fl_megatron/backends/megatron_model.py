@@ -1,5 +1,6 @@
 """megatron-core's GPTModel built from our model flags (Llama 3 / 3.1 and GPT-2 shapes)."""
 
+import importlib.util
 import warnings
 
 import torch
@@ -26,6 +27,15 @@ def quiet_import_megatron():
     return GPTModel, get_gpt_layer_local_spec, TransformerConfig
 
 
+def softmax_fusion() -> bool:
+    """Whether megatron-core may use Megatron-LM's fused softmax kernels: on CUDA, and only where
+    those compiled modules are installed (a Megatron-LM build; the megatron-core wheel lacks them,
+    and its bf16 attention would import them at the first forward and fail)."""
+    return torch.cuda.is_available() and all(
+        importlib.util.find_spec(name) is not None
+        for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"))
+
+
 def transformer_config(cfg: ModelConfig, training: TrainingConfig, on_cpu: bool = True):
     """megatron-core's TransformerConfig for our model (no dropout, weights filled by us;
     parameters created on the CPU or on the current CUDA device)."""
@@ -44,7 +54,7 @@ def transformer_config(cfg: ModelConfig, training: TrainingConfig, on_cpu: bool 
             gated_linear_unit=llama, activation_func=F.silu if llama else gelu_tanh, add_bias_linear=not llama,
             hidden_dropout=0.0, attention_dropout=0.0, bf16=training.bf16, params_dtype=dtype,
             pipeline_dtype=dtype, attention_softmax_in_fp32=True, use_cpu_initialization=on_cpu,
-            perform_initialization=False, masked_softmax_fusion=torch.cuda.is_available(),
+            perform_initialization=False, masked_softmax_fusion=softmax_fusion(),
             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, **extra)
 
 
