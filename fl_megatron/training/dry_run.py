@@ -142,6 +142,17 @@ def memory_estimate(run: ResolvedRun, num_params: int, largest_layer_params: int
                                     sync_buffer_bytes=buffers)
 
 
+def run_memory_estimate(run: ResolvedRun, counts: Optional[tuple] = None, largest: Optional[int] = None) -> dict:
+    """The per-rank memory estimate --dry-run prints for `run` as configured (its sync's state and
+    buffers where it syncs); `counts`, `largest`: model_sizes(...) when already known."""
+    if counts is None or largest is None:
+        counts, largest = model_sizes(run.cfg.model)
+    fed = run.cfg.federation
+    syncing = fed.syncing and run.layout.is_federated
+    return memory_estimate(run, counts[0], largest, fed.outer_state_shards if syncing else 0,
+                           fed.sync_dtype != "fp32" if syncing else None)
+
+
 def mode_memory(run: ResolvedRun, counts: tuple, largest: int, mode: SyncMode) -> float:
     """The per-rank memory estimate of the run synced in `mode` (--fl-tune's memory bound)."""
     fed = run.cfg.federation
@@ -170,9 +181,7 @@ def dry_run_report(run: ResolvedRun) -> str:
     counts, largest = model_sizes(m)
     num_params = counts[0]
     param_bytes = working_bytes(t.bf16)
-    syncing = fed.syncing and layout.is_federated
-    memory = memory_estimate(run, num_params, largest, fed.outer_state_shards if syncing else 0,
-                             fed.sync_dtype != "fp32" if syncing else None)
+    memory = run_memory_estimate(run, counts, largest)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
