@@ -13,7 +13,7 @@ export FL_MEGATRON_DEVICE ?= cpu
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy check-targets lint bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
+.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy test-torch-floor check-targets gpu-bundle lint bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -83,6 +83,38 @@ demo-elastic: $(VENV)/.elastic
 # ruff first (ruff.toml: pyflakes, pycodestyle, bugbear): seconds, and a lint error stops the run
 test: $(VENV)/.test-extras lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(ARGS)
+
+# The oldest torch fl-megatron supports (fl_megatron/torch_version.py: 2.11, the lent GPU machine's),
+# in an environment of its own: the tests that reach into torch's APIs (FSDP2, DeviceMesh, DCP,
+# gloo's collectives, the three backends, torchft, the Hugging Face round trip) and the demo's
+# training (runs/demo-torch-floor, nothing saved). PyPI's torch 2.11.0 is a CUDA build; it runs on CPU.
+TORCH_FLOOR_SPEC ?= torch==2.11.0
+FLOOR_VENV ?= .venv-torch-floor
+FLOOR_TESTS ?= tests/test_fsdp2_backend.py tests/test_models.py tests/test_launch.py tests/test_config_errors.py \
+	tests/test_averaging_single_process.py tests/test_backend_contract.py tests/test_torchft_peer.py \
+	tests/test_elastic_quorum.py tests/test_gpu_check.py \
+	tests/test_federation_exactness.py::test_fl_fsdp_equals_fsdp_and_syncs_are_exact \
+	tests/test_federation_exactness.py::test_fl_hsdp_replica_split_equals_naive_and_hsdp \
+	tests/test_deepspeed_backend.py::test_fl_fsdp_on_zero3_equals_zero3_and_syncs_are_exact \
+	tests/test_megatron_backend.py::test_megatron_backend_matches_megatron_core_over_all_ranks_and_fsdp2 \
+	tests/test_checkpoints.py::test_fsdp2_resumes_on_other_group_sizes_and_group_counts \
+	tests/test_checkpoints.py::test_fsdp2_async_save_resumes_exactly_and_survives_a_kill_while_writing \
+	tests/test_checkpoints.py::test_sigterm_to_torchrun_saves_but_torchrun_exits_1 \
+	tests/test_outer_sync.py::test_every_sync_option_on_every_backend \
+	tests/test_outer_sync.py::test_hsdp_overlap_on_its_own_communicators_matches_the_unthreaded_run \
+	tests/test_hf_export.py::test_default_export_is_the_groups_mean_and_transformers_agrees \
+	tests/test_hf_export.py::test_init_from_hf_reads_each_rank_its_rows
+test-torch-floor:
+	$(MAKE) VENV=$(FLOOR_VENV) TORCH_SPEC="$(TORCH_FLOOR_SPEC)" TORCH_INDEX= $(FLOOR_VENV)/.test-extras
+	$(FLOOR_VENV)/bin/python -c "import torch; print('test-torch-floor: torch', torch.__version__)"
+	OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS) $(ARGS)
+	OMP_NUM_THREADS=1 $(FLOOR_VENV)/bin/torchrun --standalone --nproc-per-node $(DEMO_RANKS) \
+		-m fl_megatron.pretrain --config examples/demo.json --run-dir runs/demo-torch-floor
+
+# The wheels a GPU machine with no network needs beside its own torch (.gpu-carry/, for
+# tools/gpu_check.sh --install): DeepSpeed, megatron-core, torchft, fl-megatron and what they pull in.
+gpu-bundle:
+	bash tools/gpu_bundle.sh
 
 # Each README target (demo, demo-hf, demo-deepspeed, demo-elastic, the megatron demo) briefly, in a
 # fresh copy of the tree with its own environment built from scratch: make test's environment holds

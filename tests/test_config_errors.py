@@ -239,6 +239,9 @@ def test_the_torch_floor_is_one_version_everywhere_and_refused_below(monkeypatch
     floor = ".".join(map(str, TORCH_FLOOR))
     assert f'"torch>={floor}"' in (root / "setup.py").read_text()
     assert f"torch >= {floor}" in (root / "README.md").read_text()
+    # the floor is what make test-torch-floor installs and tests (CI runs it)
+    assert f"TORCH_FLOOR_SPEC ?= torch=={floor}.0" in (root / "Makefile").read_text()
+    assert "make test-torch-floor" in (root / ".ci" / "run").read_text()
     assert torch_version_problem(torch.__version__) is None
     assert torch_version_problem(f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] + 1}.0") is None
     assert torch_version_problem("3.0.0") is None
@@ -246,7 +249,7 @@ def test_the_torch_floor_is_one_version_everywhere_and_refused_below(monkeypatch
     assert f"needs torch >= {floor}" in torch_version_problem(old) and old in torch_version_problem(old)
     monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
     assert main(["--model", "llama-tiny", "--world-size", "4", "--dry-run"]) == 2
-    assert f"needs torch >= {floor} (the version it is tested with), found 2.6.0+cu124" in capsys.readouterr().err
+    assert f"needs torch >= {floor} (the oldest its tests run on), found 2.6.0+cu124" in capsys.readouterr().err
 
 
 def test_every_non_finite_number_is_refused_naming_the_field(tmp_path, capsys, monkeypatch):
