@@ -33,7 +33,8 @@ def _ctx(tmp_path, name="c"):
 
 def test_without_a_gpu_every_check_is_skipped_and_the_results_are_written(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path)})
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path),
+                               "GPU_CHECK_PYTHON": sys.executable})
     checks = _gpu_check().CHECKS
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()

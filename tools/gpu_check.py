@@ -123,7 +123,12 @@ def main(argv=None) -> int:
         return 0
     started = float(os.environ.get("GPU_CHECK_STARTED") or time.time())
     deadline = time.monotonic() + args.budget_seconds - (time.time() - started)
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print(f"gpu_check: {sys.executable} cannot import torch: run it with a python that has it "
+              "(GPU_CHECK_PYTHON=..., or make test's .venv)", file=sys.stderr)
+        return 2
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_name = torch.cuda.get_device_name(0) if gpus else ""
