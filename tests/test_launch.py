@@ -113,3 +113,28 @@ def test_gloo_on_cuda_shares_a_gpu_and_nccl_insists_on_gpus(monkeypatch):
     monkeypatch.setenv("FL_MEGATRON_DIST_BACKEND", "mpi")
     with pytest.raises(ValueError, match="'mpi' is not one of auto, nccl, gloo"):
         _ = first.collectives
+
+
+def test_deterministic_mode_asks_torch_for_deterministic_kernels(monkeypatch):
+    """--deterministic-mode (what an exact resume on CUDA compares with): torch's deterministic
+    algorithms on (warning, not stopping, where an op has none), cuBLAS's fixed workspace set
+    before its first handle unless the user chose one, cuDNN's autotuner off."""
+    import os
+
+    import torch
+
+    from fl_megatron.config.flags import parse_args
+    from fl_megatron.training.determinism import make_deterministic
+
+    assert parse_args(["--deterministic-mode"])[0].training.deterministic_mode is True
+    assert parse_args([])[0].training.deterministic_mode is False
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        make_deterministic()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not torch.backends.cudnn.benchmark
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        make_deterministic()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -43,6 +43,11 @@ class TrainingConfig:
         default=False, metadata={"help": "keep only each block's input and recompute the block in the "
                                          "backward pass (less memory, about a third more compute)"})
     seed: int = field(default=1234, metadata={"help": "seed for initialisation and data order"})
+    deterministic_mode: bool = field(
+        default=False, metadata={"help": "the same bits from the same inputs on GPUs too (an exact resume compares "
+                                         "equal): torch's deterministic algorithms, e.g. FlashAttention's "
+                                         "deterministic backward, and cuBLAS with a fixed workspace; slower. "
+                                         "CPU runs are deterministic without it"})
     eval_interval: int = field(default=0, metadata={"help": "evaluate every this many steps (0: only at the end)"})
     eval_iters: int = field(default=4, metadata={"help": "micro-batches per rank in one evaluation (0: no evaluation)"})
     log_interval: int = field(default=10, metadata={"help": "print and record metrics every this many steps"})

@@ -28,6 +28,7 @@ from .console import batch_line, federation_line, format_duration, progress_line
 from .dashboards import Dashboards, RunRecords
 from .failures import PhaseTracker
 from .healing import HealingState, MembershipLog, shard_digests
+from .determinism import make_deterministic
 from .launch import LaunchEnv, init_distributed
 from .lr_schedule import learning_rate
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -68,6 +69,8 @@ class Trainer:
         self.elastic = cfg.federation.elastic
         t = cfg.training
         self.accum = run.accumulation
+        if t.deterministic_mode:
+            make_deterministic()  # before NCCL or any matrix product touches the GPU
         init_distributed(env, cfg.parallel.distributed_timeout_minutes)
         self.phases = PhaseTracker(env.job_rank, env.job_world_size, t.run_dir, fault_rank=env.rank)
         self.device = env.device

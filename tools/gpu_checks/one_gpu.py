@@ -110,8 +110,9 @@ def codecs(ctx) -> Outcome:
 
 
 def exact_resume(ctx) -> Outcome:
-    """Save at step 2 on CUDA, resume to 4: the same losses as 4 uninterrupted steps, then HF export."""
-    flags = ["--train-iters", "4", "--bf16"]
+    """Save at step 2 on CUDA, resume to 4: the same losses as 4 uninterrupted steps, bit for bit
+    (--deterministic-mode: FlashAttention's backward is not deterministic by default), then HF export."""
+    flags = ["--train-iters", "4", "--bf16", "--deterministic-mode"]
     work = ctx.work
     for name, extra in (("ref", ()), ("resumed", ("--save", str(work / "ckpt"), "--exit-interval", "2")),
                         ("resumed", ("--save", str(work / "ckpt"), "--load", str(work / "ckpt")))):
