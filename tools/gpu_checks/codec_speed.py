@@ -55,7 +55,7 @@ def check(x: torch.Tensor, bits: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu (the tests)")
     p.add_argument("--elements", type=int, default=ELEMENTS)
     args = p.parse_args()
