@@ -147,7 +147,7 @@ def _train(run, env, samples) -> int:
     from .checkpoint import CheckpointReadError, CheckpointWriteError
     from .error_text import one_line
     from .federation.failed_collective import is_failed_collective
-    from .federation.health import AllGroupsSick
+    from .federation.vote import AllGroupsSick
     from .federation.membership import TooFewGroups
     from .training.failures import PEER_LOST_EXIT_CODE, TOO_FEW_GROUPS_EXIT_CODE, PeerLost
     from .training.run_data import DataError

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from fl_megatron.config import FederationConfig
 from fl_megatron.federation import FederationEngine
 from fl_megatron.federation.membership import whole_federation
+from fl_megatron.federation.transaction import OneWorldTransaction
 from fl_megatron.local_ranks import run_ranks
 from fl_megatron.topology import make_layout
 
@@ -44,10 +45,12 @@ class FakeBackend:
 def _groups(world, rank: int = 0):
     """Rank `rank` of 2 groups of 1 rank on 2 nodes, its peer group `world`."""
     layout = make_layout(2, ranks_per_node=1, group_size=1)
-    return SimpleNamespace(layout=layout, coords=(rank, 0, 0), rank=rank, peer=world, replica=None, federation=world,
-                           exchange_peer=None, may_roll_back=False, meet=lambda: whole_federation(2, rank),
-                           tier=lambda kind: "inter-node", device_type="cpu",
-                           all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
+    groups = SimpleNamespace(layout=layout, coords=(rank, 0, 0), rank=rank, peer=world, replica=None, federation=world,
+                             exchange_peer=None, meet=lambda: whole_federation(2, rank),
+                             tier=lambda kind: "inter-node", device_type="cpu",
+                             all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
+    groups.transaction = lambda backend, state: OneWorldTransaction(groups)
+    return groups
 
 
 def test_engine_syncs_every_h_steps_and_at_the_end_in_place_then_refreshes(world):

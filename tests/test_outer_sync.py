@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.federation.compression import BLOCK, compressed_mean_, dequantize, quantize
-from fl_megatron.federation.health import AllGroupsSick, GroupFigures
+from fl_megatron.federation.vote import AllGroupsSick, GroupFigures
 from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import make_trainer, max_diff, tiny_config, train_and_gather
 
@@ -318,8 +318,8 @@ def _hsdp_overlap_job(rank, world, tmp, cache):
         cfg.federation.overlap_steps, cfg.federation.inner_state = 1, "average"
         trainer = make_trainer(cfg)
         if not threaded:
-            trainer.engine.overlapper.close()
-            trainer.engine.overlapper = Overlapper(threaded=False)
+            trainer.engine.overlapped.overlapper.close()
+            trainer.engine.overlapped.overlapper = Overlapper(threaded=False)
         groups = trainer.groups
         out["own_groups"] = groups.exchange_peer is not groups.peer and groups.exchange_replica is not groups.replica
         trainer.train()

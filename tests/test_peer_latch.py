@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.federation import averaging
-from fl_megatron.federation.averaging import ShardAverager
+from fl_megatron.federation.averaging import Peers, ShardAverager
 from fl_megatron.federation.failed_collective import PeerLatch
 
 LOST_PEER = "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
@@ -54,9 +54,9 @@ def _gathers_of_an_average(world, monkeypatch, fail_at=None) -> tuple[list, list
     monkeypatch.setattr(averaging.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(averaging, "gather_slices", lambda buffer, index, group: gathers.append(buffer.numel()))
     averager = ShardAverager(world, 1, replica_group=world, replicas=2, replica_index=0, bucket_bytes=64)
-    latch = averager.peer_call = PeerLatch()
+    latch = PeerLatch()
     shards = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (40, 7, 100, 3)]
-    averager.average(shards)
+    averager.average(shards, peers=Peers(world, 1, latch))
     return gathers, reduces, latch
 
 

@@ -21,7 +21,7 @@ from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
 from ..federation.failed_collective import is_failed_collective
 from .resume import resume_source
-from .metadata import build_metadata, find_checkpoint, manifest, source_groups
+from .metadata import build_metadata, find_checkpoint, manifest, saved_mode, source_groups
 from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_file, prune, publish, read_tracker,
                     rng_file, staging_dir, write_text_durably)
 
@@ -161,7 +161,7 @@ class Checkpointer:
         meta = None
         if self.is_writer:  # the engine's state as of this step (it moves on while the files are written)
             meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
-                                  self.options.ckpt_mode, saved_groups, self.run.cfg.to_dict())
+                                  self.options.ckpt_mode, saved_groups, self.engine.mode)
             meta["federation"]["schedule"] = self.engine.schedule.state()
             if self.tune_state is not None:
                 meta["federation"]["tune"] = self.tune_state()
@@ -243,9 +243,9 @@ class Checkpointer:
         else:
             notes.append("random states re-seeded and byte counters restarted (another world size)")
         self.engine.last_synced_step = meta["federation"]["last_synced_step"]
-        saved_fed, fed = meta["config"]["federation"], self.run.cfg.federation
+        saved_fed, fed = meta["config"]["federation"], self.engine.config
         outer = outer_file(path, self.rank)
-        same_cut = saved_fed.get("fragments", 1) == fed.fragments
+        same_cut = saved_mode(meta).fragments == fed.fragments
         if meta["layout"]["world_size"] == self.run.layout.world_size and same_cut and outer.is_file():
             self.engine.load_state_tensors(load_file(str(outer), device=str(shard_device(self.backend))))
         elif self.engine.outer is not None or fed.error_feedback:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..config.resolved import ResolvedRun
+from ..config.sync_mode import SyncMode
 from .metadata_schema import metadata_problems
 from .paths import METADATA, TRACKER, iteration_dir, published_iterations, read_tracker
 
@@ -14,9 +15,12 @@ FORMAT_VERSION = 1
 
 
 def build_metadata(run: ResolvedRun, iteration: int, last_synced_step: int, synced_now: bool,
-                   mode: str, groups_saved: list[int], config: dict) -> dict:
-    """The metadata.json of a checkpoint (the manifest is added when the files are complete)."""
+                   mode: str, groups_saved: list[int], sync_mode: SyncMode) -> dict:
+    """The metadata.json of a checkpoint (the manifest is added when the files are complete). Its
+    `config` is the run's, in the sync mode it had at this step (--fl-tune may have switched it)."""
     lay = run.layout
+    config = run.cfg.to_dict()
+    config["federation"].update(sync_mode.fields())
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "iteration": iteration,
@@ -29,9 +33,14 @@ def build_metadata(run: ResolvedRun, iteration: int, last_synced_step: int, sync
         "groups_saved": groups_saved,
         "model": dataclasses.asdict(run.cfg.model),
         "federation": {"last_synced_step": last_synced_step, "synced_at_save": synced_now,
-                       "steps_since_sync": iteration - last_synced_step},
+                       "steps_since_sync": iteration - last_synced_step, "mode": sync_mode.fields()},
         "config": config,
     }
+
+
+def saved_mode(meta: dict) -> SyncMode:
+    """The sync mode a checkpoint's run was in (older checkpoints: the mode fields of its config)."""
+    return SyncMode.from_fields(meta["federation"].get("mode") or meta["config"]["federation"])
 
 
 def manifest(checkpoint: Path) -> dict[str, int]:

@@ -1,10 +1,12 @@
 """Parallel layout and federation settings."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..costs import in_flight_shards, sync_state_shards, wire_bytes_per_element
 from ..graph_fit import ADA_LEVELS, TOPOLOGIES
+from .sync_mode import SyncMode
 
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
@@ -184,6 +186,15 @@ class FederationConfig:
     quorum_timeout_minutes: float = field(
         default=30.0, metadata={"help": "elastic: how long a sync waits for its quorum of live groups (a "
                                         "restarted group also waits this long for the live groups' next sync)"})
+
+    @property
+    def mode(self) -> SyncMode:
+        """The sync mode these settings start in (the engine owns the current one)."""
+        return SyncMode(self.sync_dtype, self.overlap_steps, self.fragments, self.sync_interval, self.error_feedback)
+
+    def with_mode(self, mode: SyncMode) -> "FederationConfig":
+        """A copy of these settings in `mode` (this object is left as it is)."""
+        return dataclasses.replace(self, **mode.fields())
 
     @property
     def resolved_outer_lr(self) -> float:

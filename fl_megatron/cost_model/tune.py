@@ -17,55 +17,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
+from ..config.sync_mode import PRECISIONS, SyncMode  # the mode value is configuration
 from ..costs import wire_bytes_per_element
 from ..topology import Layout
 from .network import Cluster
 from .timing import Variant, Workload, predict
-
-PRECISIONS = ("fp32", "bf16", "int8", "int4")  # most exact first
-
-
-@dataclass(frozen=True)
-class SyncMode:
-    """One way to sync: what `--fl-sync-dtype`, `--fl-overlap-steps`, `--fl-fragments` and
-    `--fl-sync-interval` would say (compressed precisions always with error feedback)."""
-
-    sync_dtype: str
-    overlap_steps: int
-    fragments: int
-    sync_interval: int
-
-    @property
-    def error_feedback(self) -> bool:
-        return self.sync_dtype in ("int8", "int4")
-
-    @property
-    def sync_every(self) -> int:
-        return self.sync_interval // self.fragments
-
-    def label(self) -> str:
-        parts = [self.sync_dtype + (" + EF" if self.error_feedback else ""), f"H {self.sync_interval}"]
-        if self.overlap_steps:
-            parts.append(f"overlap {self.overlap_steps}")
-        if self.fragments > 1:
-            parts.append(f"{self.fragments} fragments")
-        return ", ".join(parts)
-
-    def fields(self) -> dict:
-        """The FederationConfig fields this mode sets."""
-        return {"sync_dtype": self.sync_dtype, "error_feedback": self.error_feedback,
-                "overlap_steps": self.overlap_steps, "fragments": self.fragments,
-                "sync_interval": self.sync_interval}
-
-    def flags(self) -> list[str]:
-        """The pretrain flags that pin this mode by hand (a run without --fl-tune)."""
-        return ["--fl-sync-dtype", self.sync_dtype, *(["--fl-error-feedback"] if self.error_feedback else []),
-                "--fl-overlap-steps", str(self.overlap_steps), "--fl-fragments", str(self.fragments),
-                "--fl-sync-interval", str(self.sync_interval)]
-
-    def caution(self) -> tuple:
-        """Sort key: smaller is closer to an exact fp32 average at the given H."""
-        return (self.sync_interval, PRECISIONS.index(self.sync_dtype), self.overlap_steps, self.fragments)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ..config.parallel import FederationConfig
 from ..federation.groups import ProcessGroups, build_process_groups
 from ..federation.membership import Membership
+from ..federation.transaction import RollbackTransaction
 from ..topology import Layout
 from .peer_tier import ElasticPeerTier
 from .refusal import Refusal
@@ -26,7 +27,9 @@ class ElasticProcessGroups(ProcessGroups):
 
     elastic_tier: Optional[ElasticPeerTier] = None
 
-    may_roll_back = True
+    def transaction(self, backend, state) -> RollbackTransaction:
+        """A sync the live groups may vote down: every rank restores what it had (transaction.py)."""
+        return RollbackTransaction(self, backend, state)
 
     @property
     def peer(self) -> Optional[dist.ProcessGroup]:

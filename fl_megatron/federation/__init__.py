@@ -7,9 +7,10 @@ to the engine through the small contract in `contract.py`).
 from .averaging import ShardAverager, SyncStats
 from .chunks import Chunk, Segment, plan_chunks
 from .contract import ShardOwner
-from .engine import FederationEngine, SyncResult
+from .engine import FederationEngine
 from .groups import ProcessGroups, build_process_groups
 from .ledger import CollectiveCounter, CommLedger
+from .result import SyncResult
 from .schedule import sync_due
 
 __all__ = ["Chunk", "CollectiveCounter", "CommLedger", "FederationEngine", "ProcessGroups",

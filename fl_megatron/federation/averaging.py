@@ -9,7 +9,7 @@ payload per rank drops by P. Results are written in place into the shards.
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,16 @@ def gather_slices(buffer: torch.Tensor, slice_index: int, group) -> None:
     works = [dist.broadcast(piece, group_src=i, group=group, async_op=True) for i, piece in enumerate(slices)]
     for work in works:
         work.wait()
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who one average runs over: the peer group, how many groups are in it, and what every
+    collective over it goes through (`call_directly`; elastic mode: the sync's PeerLatch)."""
+
+    group: object
+    size: int
+    call: Callable = call_directly
 
 
 @dataclass
@@ -87,8 +97,7 @@ class ShardAverager:
                              f"replica_index={replica_index} are inconsistent")
         if replicas > 1 and replica_split and replica_group is None:
             raise ValueError("replica split needs the replica process group")
-        self.peer_group = peer_group
-        self.num_groups = num_groups
+        self.peers = Peers(peer_group, num_groups)  # unless an average is given its own
         self.replica_group = replica_group
         self.split = replicas if (replica_split and replicas > 1) else 1
         self.replica_index = replica_index if self.split > 1 else 0
@@ -98,8 +107,6 @@ class ShardAverager:
         self.peer_tier, self.replica_tier = peer_tier, replica_tier
         self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
-        # every collective over the peer group goes through this (elastic mode: a sync's PeerLatch)
-        self.peer_call = call_directly
 
     def plan(self, shards: list[torch.Tensor]) -> list[Chunk]:
         """How `shards` are cut into collectives (same on every rank of a peer group)."""
@@ -109,13 +116,16 @@ class ShardAverager:
 
     @torch.no_grad()
     def average(self, shards: list[torch.Tensor], include: bool = True,
-                contributors: Optional[int] = None, mixing: Optional[Round] = None) -> SyncStats:
+                contributors: Optional[int] = None, mixing: Optional[Round] = None,
+                peers: Optional[Peers] = None) -> SyncStats:
         """Replace every shard by its average over the federation groups, in place.
 
         `contributors` < the number of groups leaves some groups out: those ranks pass
         `include=False`, send zeros, and receive the mean of the others. With `mixing` (a
         gossip round, fp32 only) each shard becomes its weighted mix with the same shard of
-        the round's neighbour groups instead, by point-to-point sends and receives."""
+        the round's neighbour groups instead, by point-to-point sends and receives. `peers`:
+        this average's peer group (default: the one the averager was made with)."""
+        peers = peers or self.peers
         if mixing is not None and (self.sync_dtype != "fp32" or contributors is not None):
             raise ValueError("a gossip round mixes fp32 shards of every group (no compression, nobody left out)")
         for i, s in enumerate(shards):
@@ -132,20 +142,20 @@ class ShardAverager:
         sums = torch.zeros(2, dtype=torch.float64, device=shards[0].device if shards else "cpu")
         pending: deque[_InFlight] = deque()
         packed_alive = 0
-        left_out = contributors is not None and contributors != self.num_groups
+        left_out = contributors is not None and contributors != peers.size
         for index, chunk in enumerate(chunks):
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
-                packed_alive -= self._finish(pending.popleft(), flats, stats, sums)
-            pending.append(self._start(chunk, flats, stride, stats, index, include,
+                packed_alive -= self._finish(pending.popleft(), flats, stats, sums, peers)
+            pending.append(self._start(chunk, flats, stride, stats, peers, index, include,
                                        contributors if left_out else None, mixing))
             packed_alive += not chunk.inplace
         while pending:
-            self._finish(pending.popleft(), flats, stats, sums)
+            self._finish(pending.popleft(), flats, stats, sums, peers)
         stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
         return stats
 
-    def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats, index: int = 0,
-               include: bool = True, contributors: Optional[int] = None,
+    def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats, peers: Peers,
+               index: int = 0, include: bool = True, contributors: Optional[int] = None,
                mixing: Optional[Round] = None) -> _InFlight:
         if chunk.inplace:
             seg = chunk.segments[0]
@@ -162,26 +172,24 @@ class ShardAverager:
         work, divisor, received, gossip_works = None, None, [], []
         if mixing is not None:
             received = [torch.empty_like(region) for _ in mixing.receives]
-            ops = [dist.P2POp(dist.isend, region, group=self.peer_group, group_peer=g) for g in mixing.sends]
-            ops += [dist.P2POp(dist.irecv, buf, group=self.peer_group, group_peer=g)
+            ops = [dist.P2POp(dist.isend, region, group=peers.group, group_peer=g) for g in mixing.sends]
+            ops += [dist.P2POp(dist.irecv, buf, group=peers.group, group_peer=g)
                     for buf, (g, _) in zip(received, mixing.receives)]
-            gossip_works = (self.peer_call(dist.batch_isend_irecv, ops) or []) if ops else []
+            gossip_works = (peers.call(dist.batch_isend_irecv, ops) or []) if ops else []
             nbytes = region.numel() * region.element_size() * len(mixing.sends)
         elif self.sync_dtype != "fp32":
             residual = None
             if self.error_feedback:
                 residual = self.residuals.setdefault(index, torch.zeros_like(region))
-            nbytes = self.peer_call(compressed_mean_, region, self.peer_group, self.sync_dtype, include=include,
-                                    contributors=contributors, residual=residual) or 0
+            nbytes = peers.call(compressed_mean_, region, peers.group, self.sync_dtype, include=include,
+                                contributors=contributors, residual=residual) or 0
         else:
             if contributors is None:  # the exact path: every group contributes
-                work = self.peer_call(dist.all_reduce, region, op=dist.ReduceOp.AVG, group=self.peer_group,
-                                      async_op=True)
+                work = peers.call(dist.all_reduce, region, op=dist.ReduceOp.AVG, group=peers.group, async_op=True)
             else:
                 if not include:
                     region.zero_()
-                work = self.peer_call(dist.all_reduce, region, op=dist.ReduceOp.SUM, group=self.peer_group,
-                                      async_op=True)
+                work = peers.call(dist.all_reduce, region, op=dist.ReduceOp.SUM, group=peers.group, async_op=True)
                 divisor = contributors
             nbytes = region.numel() * region.element_size()
         stats.inter_group_bytes += nbytes
@@ -191,12 +199,12 @@ class ShardAverager:
         return _InFlight(chunk, buffer, region, valid, stride, sample, work, divisor, mixing, received, gossip_works)
 
     def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats,
-                sums: torch.Tensor) -> int:
+                sums: torch.Tensor, peers: Peers) -> int:
         """Complete one piece; returns 1 if it freed a packed buffer."""
         if item.work is not None:
-            self.peer_call(item.work.wait)
+            peers.call(item.work.wait)
         for work in item.gossip_works:
-            self.peer_call(work.wait)
+            peers.call(work.wait)
         if item.mixing is not None:
             item.region.mul_(item.mixing.self_weight)
             for buf, (_, weight) in zip(item.received, item.mixing.receives):

@@ -46,3 +46,8 @@ class PeerLatch:
                 raise
             self.error = e
             return None
+
+
+def has_failed(call) -> bool:
+    """Whether a sync's peer calls went through a PeerLatch that caught a failure."""
+    return getattr(call, "error", None) is not None

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .membership import Membership, whole_federation
+from .transaction import OneWorldTransaction
 from ..topology import (MESH_DIM_NAMES, Layout, coords, federation_groups, mesh_shape, peer_groups, replica_groups,
                         shard_groups, spans_nodes)
 
@@ -57,7 +58,9 @@ class ProcessGroups:
         return "inter-node" if spans_nodes(self.layout, mine) else "intra-node"
 
     # --- membership: the same calls in one world and in elastic mode (elastic.groups) -------
-    may_roll_back = False  # whether a sync's result can be voted down (torchft's commit)
+    def transaction(self, backend, state) -> OneWorldTransaction:
+        """How a blocking sync ends (transaction.py): in one world it always stands."""
+        return OneWorldTransaction(self)
 
     def meet(self) -> Membership:
         """The groups that meet at this sync; in one world every group, at once."""

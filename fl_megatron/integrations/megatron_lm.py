@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from ..backends.megatron_cpu import cpu_compat
 from ..backends.megatron_shards import MegatronMainShards
-from ..federation.engine import FederationEngine, SyncResult
+from ..federation.engine import FederationEngine
+from ..federation.result import SyncResult
 from . import megatron_lm_state as saved_state
 from .megatron_lm_args import add_federation_args, compose_args_providers, federation_config, validate_federation_args
 from .megatron_lm_groups import MegatronLMGroups, build_federation_groups, gate_gradient_reduction

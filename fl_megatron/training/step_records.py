@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..federation import SyncResult
-from ..federation.health import Vote
+from ..federation.vote import Vote
 
 
 @dataclass

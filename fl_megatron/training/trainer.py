@@ -14,6 +14,7 @@ from ..checkpoint import Checkpointer
 from .initial_values import initial_values_for
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
+from ..config.sync_mode import SyncMode
 from ..cost_model.calibrate import cluster_from_probe, dry_run_flags
 from ..cost_model.network import Cluster
 from ..cost_model.tune import PRECISIONS
@@ -21,7 +22,7 @@ from ..data import eval_batches
 from ..faults import delay_seconds, lockstep, nan_requested
 from ..federation import CollectiveCounter, CommLedger, FederationEngine, SyncResult, build_process_groups
 from ..federation.failed_collective import is_failed_collective
-from ..federation.health import GroupFigures
+from ..federation.vote import GroupFigures
 from ..federation.link_probe import probe_links
 from ..federation.membership import TooFewGroups
 from .console import batch_line, federation_line, format_duration, progress_line, say
@@ -35,7 +36,7 @@ from .memory import peak_memory_bytes, peak_memory_kind
 from .run_data import next_token_loss, open_run_data
 from .run_files import RunFiles
 from .step_records import Interval, step_record, vote_figures
-from .tuning import SyncTuner, current_mode, probe_line, resumed_choice, trial_step
+from .tuning import SyncTuner, probe_line, resumed_choice, trial_step
 from .stopping import StopPolicy
 
 
@@ -84,11 +85,11 @@ class Trainer:
         self.group = self.groups.coords[0]
         # each group's first rank writes the group's records (federated runs: groups/group_GGGGG.jsonl)
         self.group_writer = self.federated and self.groups.coords[1:] == (0, 0)
-        self.tuner, tune_state = self._probe_and_tune()
+        self.tuner, tune_state, mode = self._probe_and_tune()
         initial = initial_values_for(run, say if self.is_writer else None)
         self.backend = make_backend(run, self.groups, self.device, initial)
         self.ledger = CommLedger()
-        self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger)
+        self.engine = FederationEngine(self.backend, self.groups, cfg.federation, self.ledger, mode)
         self.checkpointer = Checkpointer(run, env.rank, self.backend, self.engine)
         if self.tuner is not None:
             self.checkpointer.tune_state = self.tuner.state
@@ -128,12 +129,12 @@ class Trainer:
         return build_elastic_process_groups(self.layout, self.env.rank, self.device.type, tier, timeout,
                                             async_checkpoint=cfg.checkpoint.async_save)
 
-    def _probe_and_tune(self) -> tuple[Optional[SyncTuner], dict]:
+    def _probe_and_tune(self) -> tuple[Optional[SyncTuner], dict, Optional[SyncMode]]:
         """The start-up link probe (federated, syncing runs), its line in the banner and config.json,
-        and with --fl-tune the tuner, in the mode a resumed checkpoint chose (and its state)."""
+        and with --fl-tune the tuner, its state and the mode a resumed checkpoint chose."""
         fed = self.cfg.federation
         if not (self.federated and fed.syncing and fed.link_probe) or self.elastic:
-            return None, {}
+            return None, {}, None
         codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
         # what an overlap costs: at the probe only where no step can be timed beside a trial exchange
         overlap = self.groups.exchange_peer if fed.tune and fed.tune_overlap and trial_step(fed) is None else None
@@ -143,14 +144,12 @@ class Trainer:
         self.files.write_config(config_to_json(self.cfg, {"link_probe": {**probe.to_dict(),
                                                                          "dry_run_flags": dry_run_flags(cluster)}}))
         if not fed.tune:
-            return None, {}
+            return None, {}, None
         mode, state = resumed_choice(self.cfg.checkpoint)
-        if mode:
-            for name, value in mode.items():
-                setattr(fed, name, value)
-            say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {current_mode(fed).label()}",
-                self.is_writer)
-        return SyncTuner(self.run, self.groups, probe, lambda text: say(text, self.is_writer), self.device), state
+        if mode is not None:
+            say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {mode.label()}", self.is_writer)
+        tuner = SyncTuner(self.run, self.groups, probe, lambda text: say(text, self.is_writer), self.device)
+        return tuner, state, mode
 
     def _join(self) -> Optional[SyncResult]:
         """Elastic mode, at start-up: meet the live groups. At a fresh start every group is at step
@@ -266,7 +265,7 @@ class Trainer:
         if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
             figures = self._group_figures(done, loss, norm)
         self.phases.enter("sync", done)
-        switch = self.tuner.decide(done) if self.tuner is not None and voting and not last else None
+        switch = self.tuner.decide(done, self.engine.mode) if self.tuner is not None and voting and not last else None
         try:
             sync = self.engine.after_step(done, last=last, loss=loss, figures=figures, full=switch is not None)
         except TooFewGroups as e:  # every rank of the group waited out the same quorum: the step stands
@@ -282,11 +281,11 @@ class Trainer:
                 "average (non-finite shards or a diverged loss) and reset to the others' average", self.is_writer)
         return StepOutcome(loss, norm, lr, sync, figures)
 
-    def _after_tuning(self, done: int, sync: Optional[SyncResult], switch: Optional[dict]) -> None:
+    def _after_tuning(self, done: int, sync: Optional[SyncResult], switch: Optional[SyncMode]) -> None:
         """Switch mode after the full sync a new choice asked for; record the decision; let the
         tuner see the scheduled syncs."""
         if switch is not None:
-            self.engine.switch_mode(**switch)
+            self.engine.switch_mode(switch)
         elif sync is not None:
             self.tuner.observe_sync(sync.exchange_seconds)
         record, self.tuner.last_record = self.tuner.last_record, None
@@ -467,7 +466,7 @@ class Trainer:
         vote = self.engine.vote
         if self.federated and self.engine.active:
             return vote is not None and vote.step == done and done > self.checkpointer.pending.iteration
-        return done >= self.checkpointer.pending.iteration + self.cfg.federation.sync_interval
+        return done >= self.checkpointer.pending.iteration + self.engine.config.sync_interval
 
     def _publish_pending(self, done: int) -> None:
         self.phases.enter("checkpoint-write", done)
@@ -584,7 +583,7 @@ class Trainer:
             "layout": {"world_size": self.layout.world_size, "ranks_per_node": self.layout.ranks_per_node,
                        "group_size": self.layout.group_size, "num_groups": self.layout.num_groups,
                        "hsdp_shard_size": self.layout.shard_size, "replicas": self.layout.replicas,
-                       "sync_interval": self.cfg.federation.sync_interval if self.engine.active else 0},
+                       "sync_interval": self.engine.config.sync_interval if self.engine.active else 0},
         }
         if self.elastic:
             summary["elastic"] = {"group": self.group, **self.members.summary(self.healing)}

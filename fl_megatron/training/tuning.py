@@ -10,13 +10,14 @@ anyway), and the rule is a pure function of them.
 
 import dataclasses
 import statistics
+import time
 from concurrent.futures import Future
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import find_checkpoint, resume_source
+from ..checkpoint import find_checkpoint, resume_source, saved_mode
 from ..config import ResolvedRun
 from ..cost_model.calibrate import dry_run_flags
 from ..cost_model.calibrate import cluster_from_probe, rescale_tier
@@ -29,10 +30,6 @@ from ..federation.link_probe import LinkProbe
 from .dry_run import mode_memory, model_sizes
 
 WARMUP_STEPS = 1  # steps left out of the measured step time (the first one builds and warms up)
-
-
-def current_mode(fed) -> SyncMode:
-    return SyncMode(fed.sync_dtype, fed.overlap_steps, fed.fragments, fed.sync_interval)
 
 
 class SyncTuner:
@@ -87,7 +84,7 @@ class SyncTuner:
         link_worth, largest_shard = agreed.tolist()
         elements = int(min(max(link_worth, 1 << 16), 1 << 25, largest_shard))
         self.trial_info = {"step": step, "elements": elements, "sync_dtype": dtype}
-        return engine.trial_exchange(elements, dtype)
+        return trial_exchange(engine, elements, dtype)
 
     def end_trial(self, trial: Future, step_seconds: float) -> None:
         self.trial = (step_seconds, trial.result())
@@ -105,10 +102,10 @@ class SyncTuner:
         self.syncs_since_check += 1
 
     # --- deciding -------------------------------------------------------------------------
-    def decide(self, step: int) -> Optional[dict]:
-        """At a due sync after `step`: the new mode's FederationConfig fields when the mode should
-        change (this sync then averages every fragment and blocks, and the caller switches after
-        it), else None. Logs every decision."""
+    def decide(self, step: int, now: SyncMode) -> Optional[SyncMode]:
+        """At a due sync after `step`, in mode `now`: the new mode when it should change (this sync
+        then averages every fragment and blocks, and the caller switches after it), else None.
+        Logs every decision."""
         fed = self.run.cfg.federation
         if self.decided and not (fed.tune_every and self.syncs_since_check >= fed.tune_every):
             return None
@@ -129,13 +126,13 @@ class SyncTuner:
             self.trial = None
         reason = "first choice, from the probed links and the measured step time"
         if self.decided:
-            reason = self._recheck(step_s, sync_s)
+            reason = self._recheck(step_s, sync_s, now)
         self.syncs_since_check, self.sync_seconds = 0, []
         if reason is None:
             return None
         self.decided = True
         choice = self._choose(step_s)
-        mode, now = choice.chosen.mode, current_mode(fed)
+        mode = choice.chosen.mode
         change = mode != now
         self.say(f"  fl-tune at step {step}: {reason}; " + ("switching to " if change else "keeping ")
                  + choice.text() + f"\n    (to pin it by hand: {' '.join(mode.flags())})")
@@ -149,9 +146,9 @@ class SyncTuner:
             **({"overlap_interference_from": interference_from} if interference_from else {}),
             "inter_node_gbps": self.cluster.inter_node_gbps,
             "intra_node_gbps": self.cluster.intra_node_gbps}}
-        return mode.fields() if change else None
+        return mode if change else None
 
-    def _recheck(self, step_s: float, sync_s: float) -> Optional[str]:
+    def _recheck(self, step_s: float, sync_s: float, now: SyncMode) -> Optional[str]:
         """Why to choose again, or None. The measured exchange time against the one predicted for
         the current mode, compared by their network parts. The first check after the first choice
         calibrates: the tier the sync crosses takes the speed the syncs showed (the probe's short
@@ -159,7 +156,7 @@ class SyncTuner:
         leaves [1 / (1 + threshold), 1 + threshold]: the links changed."""
         if sync_s <= 0:
             return None
-        predicted = self._estimate(current_mode(self.run.cfg.federation), step_s)
+        predicted = self._estimate(now, step_s)
         other = predicted.sync_seconds - predicted.network_seconds  # the codec's and the vote's
         network_predicted = max(predicted.network_seconds, 1e-9)
         network_measured = max(sync_s - other, 1e-9)
@@ -232,15 +229,35 @@ def probe_line(probe: LinkProbe, cluster: Cluster) -> str:
             + f"\n    as --dry-run flags: {dry_run_flags(cluster)}")
 
 
-def resumed_choice(options) -> tuple[dict, dict]:
-    """(the sync mode fields, the tuner's state) of the checkpoint this run resumes, if its run
-    tuned; else ({}, {})."""
+def resumed_choice(options) -> tuple[Optional[SyncMode], dict]:
+    """(the sync mode, the tuner's state) of the checkpoint this run resumes, if its run tuned;
+    else (None, {})."""
     source = resume_source(options)
     if source is None:
-        return {}, {}
+        return None, {}
     _, meta = find_checkpoint(*source)
     state = meta.get("federation", {}).get("tune")
     if state is None:
-        return {}, {}
-    saved = meta["config"]["federation"]
-    return {k: saved[k] for k in SyncMode("fp32", 0, 1, 1).fields() if k in saved}, state
+        return None, {}
+    return saved_mode(meta), state
+
+
+def trial_exchange(engine, elements: int, sync_dtype: str) -> Future:
+    """Start a throwaway average of `elements` random values in `sync_dtype` in the engine's
+    background thread, the way an overlapped sync runs (its own communicators, the averager's
+    buckets, the codec; on CUDA the exchange's stream): a training step timed beside it shows what
+    an overlap costs. Returns the future of its seconds; every rank of the job calls it at the same step."""
+    if engine.averaging.peer is engine.groups.peer:
+        raise ValueError("a trial exchange needs the exchange's own process groups: "
+                         "build_process_groups(..., exchange=True)")
+    averager = engine.averaging.make(sync_dtype)
+    buffer = torch.randn(elements, device=engine.device)
+
+    def run(buffers: list) -> float:
+        began = time.perf_counter()
+        averager.average(buffers)
+        if buffers[0].is_cuda:
+            torch.cuda.current_stream(buffers[0].device).synchronize()
+        return time.perf_counter() - began
+
+    return engine.overlapped.thread().submit(run, [buffer])

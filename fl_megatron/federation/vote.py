@@ -95,3 +95,31 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     shown = lambda v: None if v == -math.inf else v  # noqa: E731
     return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
                 values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0])
+
+
+@dataclass(frozen=True)
+class Senders:
+    """Who sends at a sync, from its vote: sick and healing groups send nothing and receive the
+    average of the others."""
+
+    sick: tuple               # groups left out as sick
+    include: bool             # whether this rank's group sends
+    contributors: Optional[int]  # groups that send, or None when every group of the meeting does
+
+    @staticmethod
+    def of(vote: Vote, members: tuple, group: int, vote_failed: bool = False) -> "Senders":
+        """From `vote` over the meeting's groups `members`, for `group`. AllGroupsSick when nobody
+        is left to send, unless the vote itself failed (elastic: a lost peer; it knows nothing)."""
+        left_out = set(vote.sick) | set(vote.joining)
+        contributors = sum(g not in left_out for g in members)
+        if contributors == 0 and not vote_failed:
+            raise AllGroupsSick(f"every federation group is sick at step {vote.step} (non-finite shards or a "
+                                "diverged loss): nothing is left to average; stopping without saving")
+        return Senders(tuple(vote.sick), group not in left_out,
+                       contributors if contributors != len(members) else None)
+
+    @staticmethod
+    def voted_already(vote: Vote, num_groups: int, group: int) -> "Senders":
+        """A launch that turned into a blocking sync at the same step: its vote stands."""
+        sick = tuple(vote.sick)
+        return Senders(sick, group not in sick, num_groups - len(sick) if sick else None)

@@ -1,0 +1,61 @@
+"""The sync mode: how the groups average, as one immutable value (what --fl-tune chooses between
+and the engine owns; a switch replaces it whole)."""
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+PRECISIONS = ("fp32", "bf16", "int8", "int4")  # most exact first
+COMPRESSED = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class SyncMode:
+    """What `--fl-sync-dtype`, `--fl-overlap-steps`, `--fl-fragments`, `--fl-sync-interval` and
+    `--fl-error-feedback` say. `error_feedback` left out: on for int8/int4, off otherwise (what
+    --fl-tune picks)."""
+
+    sync_dtype: str
+    overlap_steps: int
+    fragments: int
+    sync_interval: int
+    error_feedback: Optional[bool] = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.error_feedback is None:
+            object.__setattr__(self, "error_feedback", self.sync_dtype in COMPRESSED)
+
+    @property
+    def sync_every(self) -> int:
+        """Steps between two syncs: H, or H/N with fragments."""
+        return self.sync_interval // self.fragments
+
+    def label(self) -> str:
+        parts = [self.sync_dtype + (" + EF" if self.error_feedback else ""), f"H {self.sync_interval}"]
+        if self.overlap_steps:
+            parts.append(f"overlap {self.overlap_steps}")
+        if self.fragments > 1:
+            parts.append(f"{self.fragments} fragments")
+        return ", ".join(parts)
+
+    def fields(self) -> dict:
+        """The FederationConfig fields this mode sets."""
+        return {"sync_dtype": self.sync_dtype, "error_feedback": self.error_feedback,
+                "overlap_steps": self.overlap_steps, "fragments": self.fragments,
+                "sync_interval": self.sync_interval}
+
+    def flags(self) -> list[str]:
+        """The pretrain flags that pin this mode by hand (a run without --fl-tune)."""
+        return ["--fl-sync-dtype", self.sync_dtype, *(["--fl-error-feedback"] if self.error_feedback else []),
+                "--fl-overlap-steps", str(self.overlap_steps), "--fl-fragments", str(self.fragments),
+                "--fl-sync-interval", str(self.sync_interval)]
+
+    def caution(self) -> tuple:
+        """Sort key: smaller is closer to an exact fp32 average at the given H."""
+        return (self.sync_interval, PRECISIONS.index(self.sync_dtype), self.overlap_steps, self.fragments)
+
+    @classmethod
+    def from_fields(cls, saved: dict) -> "SyncMode":
+        """The mode a dict of its fields names (a checkpoint's); unnamed fields take a plain sync's."""
+        names = {f.name for f in fields(cls)}
+        given = {k: v for k, v in saved.items() if k in names}
+        return cls(**{"sync_dtype": "fp32", "overlap_steps": 0, "fragments": 1, "sync_interval": 1, **given})

@@ -1,0 +1,28 @@
+"""--fl-inner-state at a sync: keep each group's inner optimizer moments, average them exactly
+(fp32; left-out groups take the others' mean), or reset them. A sick group restarts its moments
+unless they are averaged (a healing group keeps the moments it received). A sync of one fragment
+averages the same fraction of the moments, cut the same way, in turn."""
+
+from typing import Optional
+
+from .averaging import Peers, ShardAverager, SyncStats
+from .contract import ShardOwner
+from .fragments import fragment_views
+from .vote import Senders
+
+
+def settle_inner_state(policy: str, backend: ShardOwner, averager: ShardAverager, stats: SyncStats,
+                       senders: Senders, peers: Peers, sick: bool, fragment: Optional[int] = None,
+                       fragments: int = 1) -> None:
+    """Apply `policy` after the shards were exchanged; the moments' bytes go into `stats`.
+    `sick`: this rank's group was left out as sick. `fragment`: the one fragment this sync moved."""
+    if policy == "average":
+        state = backend.inner_state_shards()
+        if state and fragment is not None and fragments > 1:
+            state = fragment_views(state, fragments)[fragment]
+        if state:
+            moved = averager.average(state, senders.include, senders.contributors, peers=peers)
+            stats.inter_group_bytes += moved.inter_group_bytes
+            stats.intra_group_bytes += moved.intra_group_bytes
+    elif policy == "reset" or sick:
+        backend.reset_optimizer_state()

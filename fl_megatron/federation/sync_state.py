@@ -1,0 +1,124 @@
+"""What a rank keeps between syncs for one sync mode: one averager (with its error-feedback
+residuals) and one outer optimizer (anchors and state) per fragment, and the fp32 averager of the
+inner optimizer's moments. A switch of mode makes a new state from the old one: residuals carry
+over while the codec and the fragments stay, the outer state is re-cut for the new fragments."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..config.parallel import FederationConfig
+from ..config.sync_mode import SyncMode
+from .averaging import ShardAverager
+from .fragments import fragment_views
+from .ledger import CommLedger
+from .mode_switch import recut_outer_state
+from .outer import OuterOptimizer
+
+
+@dataclass(frozen=True)
+class AveragerSettings:
+    """What every averager of a rank shares: its default peer group, the HSDP replica group and
+    split, the bucket size, the ledger and the network tiers."""
+
+    peer: object
+    num_groups: int
+    replica: object
+    replicas: int
+    replica_index: int
+    replica_split: bool
+    bucket_bytes: int
+    ledger: CommLedger
+    peer_tier: str
+    replica_tier: str
+
+    def make(self, sync_dtype: str = "fp32", error_feedback: bool = False) -> ShardAverager:
+        return ShardAverager(self.peer, self.num_groups, replica_group=self.replica, replicas=self.replicas,
+                             replica_index=self.replica_index, replica_split=self.replica_split,
+                             bucket_bytes=self.bucket_bytes, ledger=self.ledger, peer_tier=self.peer_tier,
+                             replica_tier=self.replica_tier, sync_dtype=sync_dtype, error_feedback=error_feedback)
+
+
+class SyncState:
+    """The averagers and outer optimizers of one sync mode over a rank's shards. `active`: whether
+    the run averages at all (a single group or disabled syncing keeps one plain fragment)."""
+
+    def __init__(self, settings: FederationConfig, averaging: AveragerSettings,
+                 local_shards: Callable[[], list[torch.Tensor]], active: bool,
+                 averagers: Optional[list[ShardAverager]] = None) -> None:
+        """`local_shards`: the backend's shards, asked for only where outer optimizers anchor on them."""
+        self.settings, self.averaging, self.active = settings, averaging, active
+        self.fragments = settings.fragments if active else 1
+        self.averagers = averagers or [averaging.make(settings.sync_dtype, settings.error_feedback)
+                                       for _ in range(self.fragments)]
+        self.state_averager = averaging.make()  # --fl-inner-state average: the moments, exactly (fp32)
+        self.outers = self._new_outers(local_shards()) if active and not settings.plain_average else []
+
+    @property
+    def mode(self) -> SyncMode:
+        return self.settings.mode
+
+    def views(self, shards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """`shards` cut into this mode's fragments (one: the shards themselves)."""
+        try:
+            return fragment_views(shards, self.fragments)
+        except ValueError as e:
+            raise ValueError(f"--fl-fragments {self.fragments}: {e} (this rank's shards are too small)") from None
+
+    def outer(self, fragment: int) -> Optional[OuterOptimizer]:
+        return self.outers[fragment] if self.outers else None
+
+    def _new_outers(self, shards: list[torch.Tensor]) -> list[OuterOptimizer]:
+        s = self.settings
+        return [OuterOptimizer(views, s.outer_optimizer, s.resolved_outer_lr, s.outer_momentum)
+                for views in self.views(shards)]
+
+    def switched(self, settings: FederationConfig, shards: list[torch.Tensor]) -> "SyncState":
+        """This state carried into `settings`' mode, over `shards` (right after a full sync, so the
+        anchors equal the shards). Residuals carry over while the precision and the fragments stay
+        (otherwise at most one quantisation step of each element is not sent again); the outer
+        optimizer's per-element state is re-cut for the new fragments."""
+        old = self.settings
+        keep = (old.sync_dtype, old.error_feedback, old.fragments) == \
+            (settings.sync_dtype, settings.error_feedback, settings.fragments)
+        new = SyncState(settings, self.averaging, lambda: shards, self.active, self.averagers if keep else None)
+        if self.outers and new.outers:
+            recut_outer_state(self.outers, self.fragments, new.outers, new.fragments, shards)
+        return new
+
+    # --- what a checkpoint, a heal or a rollback carries ----------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Outer anchors and state, and error-feedback residuals, by name (empty for the plain average)."""
+        out = {}
+        for fragment in range(self.fragments):
+            prefix = self._prefix(fragment)
+            if self.outers:
+                out.update({prefix + k: v for k, v in self.outers[fragment].state_tensors().items()})
+            out.update({f"{prefix}residual.{i}": r for i, r in self.averagers[fragment].residuals.items()})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore `state_tensors` (on the shards' device already)."""
+        for fragment in range(self.fragments):
+            prefix = self._prefix(fragment)
+            mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if self.outers:
+                self.outers[fragment].load_state_tensors(mine)
+            self.averagers[fragment].residuals = {int(k.split(".")[1]): v.clone() for k, v in mine.items()
+                                                  if k.startswith("residual.")}
+
+    def _prefix(self, fragment: int) -> str:
+        return f"fragment{fragment}." if self.fragments > 1 else ""
+
+    def restart(self, shards: list[torch.Tensor]) -> None:
+        """Anchors from `shards` (the loaded ones), fresh outer state, no residuals."""
+        if self.outers:
+            self.outers = self._new_outers(shards)
+        self.forget_residuals()
+
+    def forget_residuals(self) -> None:
+        """Error-feedback residuals back to zero (a restart, or a group that healed: the residual
+        it received is its source's own compression error, which the source still carries)."""
+        for averager in self.averagers:
+            averager.residuals = {}

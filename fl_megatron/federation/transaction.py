@@ -1,0 +1,90 @@
+"""Commit or roll back: how a blocking sync ends. The groups object chooses (`ProcessGroups.
+transaction`): in one world a sync always stands (a failed collective raised and ends the job);
+in elastic mode torchft's commit may vote it down, and then every rank restores what it had.
+
+Either way the transaction also agrees the sync's metric sums over whom it spans, with the
+collective it needs anyway: one world reduces them over the job (inside the group, then over the
+peer group); elastic mode over the group only, beside the error flag that decides the commit.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .contract import ShardOwner
+from .failed_collective import PeerLatch, call_directly
+from .rollback import HostBackup, host_backup
+from .sync_state import SyncState
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How the sync ended: kept or not, and its metric sums agreed (None: not asked for)."""
+
+    committed: bool
+    totals: Optional[list] = None
+
+
+class OneWorldTransaction:
+    """One world: nothing to undo; the sums are reduced over the job."""
+
+    peer_call: Callable = staticmethod(call_directly)
+
+    def __init__(self, groups) -> None:
+        self.groups = groups
+
+    def begin(self) -> None:
+        """Before the sync's first collective: nothing to keep."""
+
+    def conclude(self, step: int, sums: Optional[list], device) -> Verdict:
+        if sums is None:
+            return Verdict(True)
+        totals = torch.tensor(sums, dtype=torch.float64, device=device)
+        self.groups.all_reduce_job(totals)
+        return Verdict(True, totals.tolist())
+
+
+class RollbackTransaction:
+    """A sync the live groups may vote down (elastic mode). Every peer collective goes through the
+    sync's PeerLatch: the first that fails (a peer lost midway) is remembered and the later ones are
+    skipped, while the in-group ones (HSDP's replica gathers) go on, so every rank of the group
+    makes the same in-group calls. Then one more, the error flag and the metric sums over the group,
+    tells the group whether any of its ranks failed; then torchft's commit. Voted down: the shards
+    and the sync state are restored from host copies taken before the sync (one more fp32 copy of
+    the shards in host memory while it runs)."""
+
+    def __init__(self, groups, backend: ShardOwner, state: SyncState) -> None:
+        self.groups, self.backend, self.state = groups, backend, state
+        self.latch = PeerLatch()
+        self.backup: Optional[HostBackup] = None
+
+    @property
+    def peer_call(self) -> PeerLatch:
+        return self.latch
+
+    def begin(self) -> None:
+        self.backup = host_backup(self.backend.local_shards(), self.state.state_tensors())
+
+    def conclude(self, step: int, sums: Optional[list], device) -> Verdict:
+        failed = self.latch.error  # a peer lost during the sync's collectives: the later ones were skipped
+        agreed = torch.tensor([float(failed is not None), *(sums or [])], dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, group=self.groups.federation)
+        if agreed[0] > 0:  # this rank's peers or a group mate's: the group votes the sync down
+            self.groups.report_error(failed or RuntimeError(f"a rank of this group lost a peer in the sync of "
+                                                            f"step {step}"))
+        if not self.groups.commit():
+            self.restore()
+            return Verdict(False)
+        if failed is not None:
+            raise RuntimeError(f"the sync of step {step} failed on this rank but was committed") from failed
+        return Verdict(True, agreed[1:].tolist() if sums is not None else None)
+
+    def restore(self) -> None:
+        """The shards and the sync state as they were before the sync, and what derives from them."""
+        shards = self.backend.local_shards()
+        device = shards[0].device if shards else "cpu"
+        self.backup.restore(shards, lambda saved: self.state.load_state_tensors(
+            {k: v.to(device) for k, v in saved.items()}))
+        self.backend.refresh_after_sync()
