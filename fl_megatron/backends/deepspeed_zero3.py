@@ -23,11 +23,10 @@ from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, SavesInTheForeground, flat_elements, own_singleton_group, wrap_blocks_for_recompute
 from .deepspeed_checks import within_group
+from .deepspeed_layout import CHECKPOINT_TAG
 from .pickle_guard import check_deepspeed_dir
 from .optimizer import (build_optimizer, load_transfer_state_tensors, parameter_groups, set_learning_rate,
                         state_tensors, step_at_zero_lr, transfer_state_tensors)
-
-CHECKPOINT_TAG = "zero3"  # DeepSpeed's sub-directory inside a group's checkpoint directory
 
 MIN_VERSION = (0, 19, 8)
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ..error_text import error_lines
+from .deepspeed_layout import CHECKPOINT_TAG
 
 # Globals DCP's metadata pickle may name (torch 2.13): its dataclasses, sizes, dtypes, containers.
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
@@ -130,8 +131,6 @@ def check_group_pickles(backend: str, directory: Path) -> None:
     """The pickles of one saved group's directory, opened as the backend's load will open them
     (megatron shard files are safetensors: nothing to check)."""
     if backend == "deepspeed":
-        from .deepspeed_zero3 import CHECKPOINT_TAG
-
         check_deepspeed_dir(Path(directory) / CHECKPOINT_TAG)
     elif backend == "fsdp2":
         read_dcp_metadata(Path(directory) / ".metadata")

@@ -15,6 +15,7 @@ import torch
 
 from ..config.model import ModelConfig
 from ..models.init import canonical_name
+from .deepspeed_layout import CHECKPOINT_TAG
 from .pickle_guard import GuardedPlanner, GuardedReader, check_deepspeed_dir
 
 Read = Callable[[str], torch.Tensor]
@@ -37,8 +38,6 @@ def _fsdp2(directory: Path, model_cfg: ModelConfig, shapes: dict) -> Read:
 def _deepspeed(directory: Path, model_cfg: ModelConfig, shapes: dict) -> Read:
     """DeepSpeed's fp32 reconstruction of ZeRO-3 partitions (optimizer files memory-mapped)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from .deepspeed_zero3 import CHECKPOINT_TAG
 
     check_deepspeed_dir(directory / CHECKPOINT_TAG)
     quiet = io.StringIO()
