@@ -25,8 +25,8 @@ from .common import InitialValues, SavesInTheForeground, flat_elements, own_sing
 from .deepspeed_checks import within_group
 from .deepspeed_layout import CHECKPOINT_TAG
 from .pickle_guard import check_deepspeed_dir
-from .optimizer import (build_optimizer, load_transfer_state_tensors, parameter_groups, set_learning_rate,
-                        state_tensors, step_at_zero_lr, transfer_state_tensors)
+from .optimizer import (build_optimizer, forget_state, load_transfer_state_tensors, parameter_groups,
+                        set_learning_rate, state_tensors, step_at_zero_lr, transfer_state_tensors)
 
 MIN_VERSION = (0, 19, 8)
 
@@ -214,8 +214,9 @@ class DeepSpeedBackend(SavesInTheForeground):
         return state_tensors(self.optimizer.optimizer, list(self.optimizer.fp32_partitioned_groups_flat))
 
     def reset_optimizer_state(self) -> None:
-        """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
-        self.optimizer.optimizer.state.clear()
+        """Forget the inner optimizer's state, step counts included (a sick group restarts its
+        moments at the next step)."""
+        forget_state(self.optimizer.optimizer)
 
     def optimizer_transfer_state(self) -> list[torch.Tensor]:
         """The inner optimizer's whole state of this rank's fp32 master partitions, step counts

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config.resolved import ResolvedRun
@@ -17,8 +17,8 @@ from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, wrap_blocks_for_recompute
 from .pickle_guard import GuardedPlanner, GuardedReader
-from .optimizer import (build_optimizer, load_transfer_state_tensors, set_learning_rate, state_tensors,
-                        transfer_state_tensors)
+from .optimizer import (build_optimizer, forget_state, load_transfer_state_tensors, set_learning_rate,
+                        state_tensors, transfer_state_tensors)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ class FSDP2Backend:
 
     FSDP2 keeps the sharded parameters in fp32 and casts to bf16 when it gathers them
     (MixedPrecisionPolicy), so the local shards ARE the fp32 master values and there is no
-    derived low-precision copy to refresh after a sync.
+    derived low-precision copy to refresh after a sync; only parameters left gathered are dropped.
     """
 
     def __init__(self, run: ResolvedRun, groups: ProcessGroups, device: torch.device,
@@ -187,8 +187,9 @@ class FSDP2Backend:
         return state_tensors(self.optimizer, [p for _, p in self._sharded], _local)
 
     def reset_optimizer_state(self) -> None:
-        """Forget the inner optimizer's state (a sick group restarts its moments at the next step)."""
-        self.optimizer.state.clear()
+        """Forget the inner optimizer's state, step counts included (a sick group restarts its
+        moments at the next step)."""
+        forget_state(self.optimizer)
 
     def optimizer_transfer_state(self) -> list[torch.Tensor]:
         """This rank's whole inner optimizer state (moments and step counts) for a healing peer."""
@@ -200,7 +201,12 @@ class FSDP2Backend:
                                     [t.to(self.device) for t in tensors], _local)
 
     def refresh_after_sync(self) -> None:
-        """Nothing to refresh: FSDP2 derives bf16 copies from the fp32 shards at each all-gather."""
+        """Drop the parameters FSDP2 holds gathered, so that the next forward gathers them from the
+        changed shards: after a forward without a backward (an evaluation) the root module's stay
+        gathered, and would be used as they were. (bf16 copies are made at each all-gather.)"""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     # --- what the trainer needs ------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

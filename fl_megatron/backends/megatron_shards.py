@@ -9,7 +9,8 @@ import torch
 
 from .megatron_cpu import compat_method
 from .megatron_state import main_shard_entries
-from .optimizer import load_transfer_state_tensors, state_tensors, step_at_zero_lr, transfer_state_tensors
+from .optimizer import (forget_state, has_state, load_transfer_state_tensors, state_tensors, step_at_zero_lr,
+                        transfer_state_tensors)
 
 
 class MegatronMainShards:
@@ -61,7 +62,7 @@ class MegatronMainShards:
         rest = list(tensors)
         for opt in self.dist_opts:
             mains = self._mains(opt)
-            if rest and mains and not transfer_state_tensors(opt.optimizer, mains):
+            if rest and mains and not has_state(opt.optimizer, mains):
                 step_at_zero_lr(opt.optimizer, mains)
             count = len(transfer_state_tensors(opt.optimizer, mains))
             load_transfer_state_tensors(opt.optimizer, mains, [t.to(mains[0].device) for t in rest[:count]])
@@ -71,9 +72,10 @@ class MegatronMainShards:
                              "distributed optimizers hold (a peer with another model or shard layout)")
 
     def reset_optimizer_state(self) -> None:
-        """Forget the inner optimizer's state (the moments restart at the next step)."""
+        """Forget the inner optimizer's state, step counts included (the group steps of
+        Transformer Engine's FusedAdam too): the moments restart at the next step."""
         for opt in self.dist_opts:
-            opt.optimizer.state.clear()
+            forget_state(opt.optimizer)
 
     @compat_method
     def refresh_after_sync(self) -> None:

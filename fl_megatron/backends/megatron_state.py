@@ -1,6 +1,7 @@
 """Checkpoint files of the megatron backend: one safetensors file per rank of the shard group.
 
-Each file holds that rank's fp32 main shards and the inner optimizer's state for them, plus an
+Each file holds that rank's fp32 main shards and the inner optimizer's state for them (with the
+step counts a fused Adam keeps in its parameter groups, `group_step.{optimizer}.{group}`), plus an
 index (in the safetensors metadata) naming the megatron parameter and the element range of the
 flattened parameter each shard covers. Ranks write in parallel; nothing is pickled. A group's
 parameters are re-assembled from its files one tensor at a time (`ShardFileReader`).
@@ -63,6 +64,9 @@ class MegatronShardFiles:
             for key, value in inner.state.get(main, {}).items():
                 if torch.is_tensor(value):
                     tensors[f"state.{k}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
+        for key, group in self._step_groups():
+            if "step" in group:
+                tensors[key] = torch.tensor(int(group["step"]), dtype=torch.int64)
         Path(directory).mkdir(parents=True, exist_ok=True)
         meta = {INDEX_KEY: json.dumps({"format": FORMAT, "shards": self._index()})}
         save_safetensors(tensors, shard_file(directory, rank, size), metadata=meta)
@@ -94,6 +98,22 @@ class MegatronShardFiles:
                         inner.state[main] = state
                     else:
                         inner.state.pop(main, None)
+            if load_optimizer:
+                for key, group in self._step_groups():
+                    if key not in keys:
+                        group.pop("step", None)
+                    elif torch.is_tensor(group.get("step")):  # a capturable fused Adam's
+                        group["step"].fill_(int(f.get_tensor(key)))
+                    else:
+                        group["step"] = int(f.get_tensor(key))
+
+    def _step_groups(self):
+        """(file key, parameter group) for every non-empty parameter group of the inner optimizers:
+        where Transformer Engine's and Apex's FusedAdam keep their step counts."""
+        for o, opt in enumerate(self.dist_opts):
+            for g, group in enumerate(opt.optimizer.param_groups):
+                if group["params"]:
+                    yield f"group_step.{o}.{g}", group
 
 
 def read_index(path: Path) -> list[dict]:

@@ -52,11 +52,60 @@ def state_tensors(optimizer, params: list, local=_identity) -> list[torch.Tensor
     return out
 
 
+def _count_tensor(value) -> torch.Tensor:
+    """A step count kept as a Python number, as a 0-d CPU tensor (int64 for an int)."""
+    return torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+
+
+def _writer(holder: dict, key: str, kind: type) -> Callable[[torch.Tensor], None]:
+    """Writes a received 0-d tensor back into `holder[key]` as a Python number of type `kind`."""
+    def write(value: torch.Tensor) -> None:
+        holder[key] = kind(value.item())
+    return write
+
+
+def _transfer_entries(optimizer, params: list, local=_identity) -> list[tuple]:
+    """(tensor, how to write a received value back: None to copy in place) for everything a
+    healing peer needs: per parameter in order its state, keys sorted (a Python number such as
+    DeepSpeed FusedAdam's int step as a 0-d tensor), then the step count of each parameter group
+    holding one of `params` (Transformer Engine's and Apex's FusedAdam keep it there)."""
+    entries = []
+    for param in params:
+        state = optimizer.state.get(param, {})
+        for key in sorted(state):
+            value = state[key]
+            if torch.is_tensor(value):
+                entries.append((local(value), None))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                entries.append((_count_tensor(value), _writer(state, key, type(value))))
+    held = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        if "step" in group and any(id(p) in held for p in group["params"]):
+            step = group["step"]
+            entries.append((step, None) if torch.is_tensor(step) else
+                           (_count_tensor(step), _writer(group, "step", type(step))))
+    return entries
+
+
 def transfer_state_tensors(optimizer, params: list, local=_identity) -> list[torch.Tensor]:
-    """Every state tensor of `params` in their order, keys sorted, step counts included: what a
-    healing group receives to continue exactly where the sender is (empty before the first step)."""
-    return [local(state[key]) for param in params for state in [optimizer.state.get(param, {})]
-            for key in sorted(state) if torch.is_tensor(state[key])]
+    """Every state tensor of `params` in their order, keys sorted, step counts included wherever
+    the optimizer keeps them (see `_transfer_entries`): what a healing group receives to continue
+    exactly where the sender is (empty before the first step)."""
+    return [tensor for tensor, _ in _transfer_entries(optimizer, params, local)]
+
+
+def has_state(optimizer, params: list) -> bool:
+    """Whether the optimizer holds per-parameter state for any of `params` (it has stepped them)."""
+    return any(optimizer.state.get(param) for param in params)
+
+
+def forget_state(optimizer) -> None:
+    """Drop the optimizer's state, step counts included: also those a fused Adam keeps in its
+    parameter groups (left there, the next step's bias correction would be the old step's, and
+    the first updates from fresh moments several times too large)."""
+    optimizer.state.clear()
+    for group in optimizer.param_groups:
+        group.pop("step", None)
 
 
 @torch.no_grad()
@@ -79,13 +128,16 @@ def step_at_zero_lr(optimizer, params: list) -> None:
 @torch.no_grad()
 def load_transfer_state_tensors(optimizer, params: list, tensors: list, local=_identity,
                                 materialise: Optional[Callable[[], None]] = None) -> None:
-    """Copy `transfer_state_tensors` of a peer rank in. An optimizer without state for `params`
-    makes it first with `materialise` (default: `step_at_zero_lr`)."""
-    if tensors and not transfer_state_tensors(optimizer, params, local):
+    """Copy `transfer_state_tensors` of a peer rank in, step counts included. An optimizer without
+    state for `params` makes it first with `materialise` (default: `step_at_zero_lr`)."""
+    if tensors and not has_state(optimizer, params):
         (materialise or (lambda: step_at_zero_lr(optimizer, params)))()
-    mine = transfer_state_tensors(optimizer, params, local)
-    if [tuple(t.shape) for t in mine] != [tuple(t.shape) for t in tensors]:
+    mine = _transfer_entries(optimizer, params, local)
+    if [tuple(t.shape) for t, _ in mine] != [tuple(t.shape) for t in tensors]:
         raise ValueError(f"the optimizer state received has {len(tensors)} tensors that do not match this rank's "
                          f"{len(mine)} (a peer with another model, optimizer or shard layout)")
-    for target, value in zip(mine, tensors):
-        target.copy_(value)
+    for (target, write), value in zip(mine, tensors):
+        if write is None:
+            target.copy_(value)
+        else:
+            write(value)

@@ -6,6 +6,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..federation.membership import Membership, TooFewGroups
@@ -86,6 +87,8 @@ class ElasticPeerTier:
         before = self._training_step()
         self.manager.load_state_dict({"step": before, "batches_committed": self.manager.batches_committed()})
         first = not self.has_quorum
+        if self.backend == "nccl":  # a source's shards are read on torchft's quorum thread and its own
+            torch.cuda.current_stream().synchronize()  # stream: the training stream's writes finish first
         try:
             with self._waiting(lambda: self._quorum_text(first)):
                 if first and self._watch is not None:  # a group that differs leaves before it meets or heals
