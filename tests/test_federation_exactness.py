@@ -35,7 +35,7 @@ def _fsdp_job(rank, world, tmp, cache):
     # the variance metric against a direct computation from all groups' shards
     out["variance"] = (direct_variance(trainer), trainer.engine.sync(step=4).variance)
     # the per-step traffic measured by calibration equals FSDP2's collectives by closed form
-    out["step_traffic"] = sum(trainer._step_traffic.by_tier.values())
+    out["step_traffic"] = sum(trainer.traffic.step.by_tier.values())
     out["expected_step_traffic"] = _expected_fsdp_step_bytes(trainer)
     trainer.close()
 

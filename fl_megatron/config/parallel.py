@@ -180,9 +180,9 @@ class FederationConfig:
                                      "--fl-quorum-timeout-minutes, then save (--save) and stop with exit code 5 "
                                      "naming the missing groups (the lighthouse's --min_replicas)"})
     sync_digest: bool = field(
-        default=False, metadata={"help": "elastic: record a SHA-256 of each rank's shards after every sync in the "
-                                         "group's metrics.jsonl (after an fp32 average the groups agree bit for bit; "
-                                         "one host read of the shards per sync)"})
+        default=False, metadata={"help": "elastic: record a SHA-256 of each rank's shards, inner optimizer state "
+                                         "and sync state after every sync in the group's metrics.jsonl (after an fp32 "
+                                         "average the groups' shards agree bit for bit; one host read of them per sync)"})
     quorum_timeout_minutes: float = field(
         default=30.0, metadata={"help": "elastic: how long a sync waits for its quorum of live groups (a "
                                         "restarted group also waits this long for the live groups' next sync)"})

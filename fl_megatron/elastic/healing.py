@@ -101,13 +101,14 @@ class MembershipLog:
                 "final_groups": list(self.live or ())}
 
 
-def shard_digests(shards: list, group) -> list[str]:
-    """SHA-256 of each rank's shards, gathered over its federation group (rank order): after an
-    fp32 average rank k of every group holds the same bytes (--fl-sync-digest)."""
+def shard_digests(tensors: list, group, device) -> list[str]:
+    """SHA-256 of each rank's `tensors` (its shards, or its optimizer or sync state), gathered over
+    its federation group (rank order) on `device`, the rank's own: after an fp32 average rank k of
+    every group holds the same shard bytes (--fl-sync-digest)."""
     h = hashlib.sha256()
-    for shard in shards:
-        h.update(shard.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    mine = torch.tensor(list(h.digest()[:8]), dtype=torch.int64, device=shards[0].device if shards else "cpu")
+    for tensor in tensors:
+        h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor(list(h.digest()[:8]), dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     return [bytes(int(b) for b in d.tolist()).hex() for d in every]

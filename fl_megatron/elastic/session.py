@@ -1,0 +1,158 @@
+"""Elastic mode as the training loop sees it: this job is one federation group. At start-up it
+meets the live groups through torchft (healing from them when it is behind), after every sync it
+records who met, and it evaluates, reports and exports on its own group only (each group's job
+writes its own run directory). The one-world counterpart is training/session.py."""
+
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import ResolvedRun
+from ..federation import SyncResult
+from ..federation.failed_collective import is_failed_collective
+from ..federation.vote import GroupFigures
+from ..models import count_parameters
+from .groups import build_elastic_process_groups, join_tier
+from .healing import HealingState, MembershipLog, shard_digests
+from .signature import federation_signature
+
+
+class ElasticSession:
+    """One group's view of an elastic federation, for the training loop."""
+
+    def __init__(self, run: ResolvedRun, env, say: Callable[[str], None]) -> None:
+        """`env`: the launch's ranks (federation rank, and this job's rank and size); `say`: the console."""
+        self.run, self.env, self.say = run, env, say
+        self.healing = HealingState()
+        self.members: Optional[MembershipLog] = None
+        self.joined_sync: Optional[SyncResult] = None  # the sync this group healed at, before its first step
+        self.sync_fields: dict = {}  # who met at the last sync: the fields its records carry
+        self.groups = self.engine = self.backend = None
+
+    # --- set-up ---------------------------------------------------------------------------
+    def process_groups(self, device_type: str, timeout: timedelta):
+        """This job's own groups, and torchft's tier to the other groups (joined here)."""
+        cfg = self.run.cfg
+        signature = federation_signature(self.run, count_parameters(cfg.model))
+        tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, device_type, timeout,
+                         self.healing.source, self.healing.receive, lambda: self.healing.step, signature,
+                         self.say, cfg.training.run_dir)
+        self.groups = build_elastic_process_groups(self.run.layout, self.env.rank, device_type, tier, timeout,
+                                                   async_checkpoint=cfg.checkpoint.async_save)
+        return self.groups
+
+    def links_probed(self) -> bool:
+        """The start-up link probe and --fl-tune need the whole federation at once: not here."""
+        return False
+
+    def join(self, backend, engine, loaded: int, start_step: int) -> int:
+        """Meet the live groups; returns the step to start from. At a fresh start every group is at
+        step 0 and nothing moves; a restarted or new group waits for the live groups' next sync,
+        heals there from them (shards, inner optimizer state, the engine's state, the step) and
+        takes part in that sync as a receiver (kept in `joined_sync`). `loaded`: the step of the
+        checkpoint this group read (0: none)."""
+        self.backend, self.engine = backend, engine
+        self.healing.backend, self.healing.engine = backend, engine
+        self.healing.step = self.healing.last_sync = start_step
+        layout, group = self.run.layout, self.groups.coords[0]
+        t = self.run.cfg.training
+        self.members = MembershipLog(group, layout.num_groups,
+                                     t.micro_batch_size * self.run.accumulation * layout.group_size)
+        self.say(f"  group {group}: meeting the live groups (lighthouse {self.run.cfg.federation.lighthouse})")
+        self.healing.at_start = True
+        membership = self.groups.meet()
+        self.healing.at_start = False
+        read = f"checkpoint of step {loaded}" if loaded else "no checkpoint"
+        if not membership.healed or self.healing.source_at_start:
+            # every group at the start (a fresh or resumed federation): a group behind the others
+            # took their state in the quorum; nobody syncs now
+            self._start_barrier(backend)
+            if not self.groups.commit():
+                raise RuntimeError(f"group {group}: the start-up quorum was voted down (a peer lost); restarting")
+            self.members.live = membership.groups
+            if membership.healed:
+                start_step = self.healing.step
+                self.say(f"  group {group}: behind the others' checkpoints ({read}): took their state of step "
+                         f"{start_step} in {membership.seconds:.2f} s")
+            self.say(f"  group {group}: joined groups {', '.join(map(str, membership.groups))} at step {start_step}")
+            return start_step
+        start_step = self.healing.step
+        self.say(f"  group {group}: healed from the live groups at step {start_step} in "
+                 f"{membership.seconds:.2f} s ({read} read)")
+        sync = engine.sync(start_step, GroupFigures(healing=True), full=True, membership=membership)
+        if not sync.committed:
+            raise RuntimeError(f"group {group}: the sync it healed at (step {start_step}) was voted down; restarting")
+        self.joined_sync = sync
+        return start_step
+
+    def _start_barrier(self, backend) -> None:
+        """One all-reduce over this rank's peers of the start-up quorum. A group behind fetches a
+        source's state inside the quorum, and torchft stops serving it at the source's commit: the
+        source waits here until every rank of the groups behind has it. A lost peer votes the
+        quorum down."""
+        shards = backend.local_shards()
+        device = shards[0].device if shards else torch.device(self.groups.device_type)
+        try:
+            dist.all_reduce(torch.zeros(1, device=device), group=self.groups.peer)
+        except RuntimeError as e:
+            if not is_failed_collective(e):
+                raise
+            self.groups.report_error(e)
+
+    # --- during training --------------------------------------------------------------------
+    def at_step(self, done: int) -> None:
+        """Optimizer step `done` finished: the position a healing group would receive."""
+        self.healing.step = done
+
+    def after_sync(self, sync: SyncResult) -> None:
+        """Who met at `sync`: console lines and the fields its records carry."""
+        fields, lines = self.members.after_sync(sync, self.healing)
+        if self.run.cfg.federation.sync_digest:
+            fields.update(self._digests())
+        self.sync_fields = fields
+        for line in lines:
+            self.say(line)
+
+    def _digests(self) -> dict:
+        """--fl-sync-digest: each rank's shards, inner optimizer state (what a healing group receives)
+        and sync state (outer anchors and state, residuals: what a voted-down sync restores), hashed."""
+        shards, group = self.backend.local_shards(), self.groups.federation
+        device = shards[0].device if shards else torch.device(self.groups.device_type)
+        return {"shard_digests": shard_digests(shards, group, device),
+                "optimizer_digests": shard_digests(self.backend.optimizer_transfer_state(), group, device),
+                "sync_state_digests": shard_digests(list(self.engine.state_tensors().values()), group, device)}
+
+    def healed_step(self, sync: Optional[SyncResult]) -> Optional[int]:
+        """Where to go on after a sync at which this group, behind the others since it missed a
+        quorum, healed: the live groups' step (None: this group was not behind)."""
+        if sync is None or sync.membership is None or not sync.membership.healed:
+            return None
+        self.say(f"  group {self.groups.coords[0]}: behind the live groups, healed at their step "
+                 f"{self.healing.step} in {sync.membership.seconds:.2f} s")
+        return self.healing.step
+
+    def record_fields(self, sync: Optional[SyncResult]) -> dict:
+        """The membership fields of a federation record (of a sync step)."""
+        return self.sync_fields if sync is not None else {}
+
+    # --- what this group's job reports alone ------------------------------------------------
+    def evaluation_share(self) -> tuple[int, int]:
+        """(rank, ranks) the held-out set is split over: this group evaluates it whole on its own
+        (groups meet only at syncs)."""
+        return self.env.job_rank, self.env.job_world_size
+
+    def reduce_evaluation(self, loss: torch.Tensor) -> None:
+        dist.all_reduce(loss, group=self.groups.federation)
+
+    def losses_cross_groups(self) -> bool:
+        """Whether a final train loss is averaged over the groups: each group reports its own."""
+        return False
+
+    def summary(self) -> dict:
+        return {"elastic": {"group": self.groups.coords[0], **self.members.summary(self.healing)}}
+
+    def exports(self) -> bool:
+        """Whether the summary names the Hugging Face export of --save: each group saves only its own."""
+        return False

@@ -1,0 +1,91 @@
+"""--fl-tune's place in the training loop: the start-up link probe (its banner line and its part of
+config.json), the tuner in the mode a resumed run chose, and its calls before and after each step
+and sync. Without --fl-tune every call does nothing."""
+
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+from ..config import ResolvedRun
+from ..config.flags import config_to_json
+from ..config.sync_mode import PRECISIONS, SyncMode
+from ..cost_model.calibrate import cluster_from_probe, dry_run_flags
+from ..cost_model.network import Cluster
+from ..federation import SyncResult
+from ..federation.link_probe import probe_links
+from .run_files import RunFiles
+from .tuning import SyncTuner, probe_line, resumed_choice, trial_step
+
+
+class TuningHook:
+    """The tuner's calls from the loop (`tuner` None: --fl-tune is off, nothing happens)."""
+
+    def __init__(self, tuner: Optional[SyncTuner]) -> None:
+        self.tuner = tuner
+
+    def attach(self, checkpointer, state: dict) -> None:
+        """Save the tuner's state with every checkpoint, and continue from a resumed one's."""
+        if self.tuner is not None:
+            checkpointer.tune_state = self.tuner.state
+            self.tuner.load_state(state)
+
+    def before_step(self, done: int, engine) -> Optional[Future]:
+        """Before optimizer step `done`: the trial exchange started beside it, if this is its step."""
+        return self.tuner.start_trial(done, engine) if self.tuner is not None else None
+
+    def after_step(self, trial: Optional[Future], seconds: float) -> None:
+        """The step took `seconds` (beside the trial exchange, if one ran)."""
+        if self.tuner is None:
+            return
+        if trial is not None:
+            self.tuner.end_trial(trial, seconds)
+        else:
+            self.tuner.observe_step(seconds)
+
+    def decide(self, done: int, mode: SyncMode, voting: bool, last: bool) -> Optional[SyncMode]:
+        """At a due sync (not the last): a new mode to switch to after it, or None."""
+        if self.tuner is None or not voting or last:
+            return None
+        return self.tuner.decide(done, mode)
+
+    def after_sync(self, engine, sync: Optional[SyncResult], switch: Optional[SyncMode]) -> Optional[dict]:
+        """Switch mode after the full sync a new choice asked for; let the tuner see the syncs that
+        ran in the current mode. Returns the record of a decision taken at this step, if any."""
+        if self.tuner is None:
+            return None
+        if switch is not None:
+            engine.switch_mode(switch)
+        elif sync is not None:
+            if sync.landed is not None:
+                self.tuner.observe_sync(sync.landed.exchange_seconds)
+            self.tuner.observe_sync(sync.exchange_seconds)
+        record, self.tuner.last_record = self.tuner.last_record, None
+        return record
+
+    def saw_landing(self, sync: SyncResult) -> None:
+        """An overlapped sync landed early (for a checkpoint): the tuner sees it like any other."""
+        if self.tuner is not None:
+            self.tuner.observe_sync(sync.exchange_seconds)
+
+
+def start_tuning(run: ResolvedRun, links_probed: bool, groups, files: RunFiles, device,
+                 say: Callable[[str], None]) -> tuple[TuningHook, dict, Optional[SyncMode]]:
+    """The start-up link probe (where `links_probed`), its line in the banner and config.json, and
+    with --fl-tune the tuner: (the hook, the tuner's resumed state, the mode a resumed checkpoint
+    chose or None)."""
+    fed = run.cfg.federation
+    if not links_probed:
+        return TuningHook(None), {}, None
+    codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
+    # what an overlap costs: at the probe only where no step can be timed beside a trial exchange
+    overlap = groups.exchange_peer if fed.tune and fed.tune_overlap and trial_step(fed) is None else None
+    probe = probe_links(groups, device, codecs, overlap)
+    cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
+    say(probe_line(probe, cluster))
+    files.write_config(config_to_json(run.cfg, {"link_probe": {**probe.to_dict(),
+                                                               "dry_run_flags": dry_run_flags(cluster)}}))
+    if not fed.tune:
+        return TuningHook(None), {}, None
+    mode, state = resumed_choice(run.cfg.checkpoint)
+    if mode is not None:
+        say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {mode.label()}")
+    return TuningHook(SyncTuner(run, groups, probe, say, device)), state, mode
