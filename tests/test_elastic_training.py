@@ -6,8 +6,10 @@ groups meeting only at syncs (tools/elastic_launch.py).
 - A group dies: a rank of group 1 is SIGKILLed between two syncs; groups 0 and 2 go on without
   restarting and sync without it; torchrun restarts group 1, which heals from them at a later sync
   (no checkpoint) and ends bit-identical to them; on fsdp2 and DeepSpeed, with FL+HSDP and with
-  int8 + error feedback + nesterov (all but fsdp2 in `make test-heavy`).
-- A peer lost in the middle of a sync: the survivors vote it down and agree again at the next.
+  int8 + error feedback + nesterov (all but fsdp2 in `make test-heavy`); the healed group's inner
+  optimizer state is the one a live group sent.
+- A peer lost in the middle of a sync (Nesterov, int8 + error feedback): the survivors vote it
+  down, their sync state (anchors, momentum, residuals) as before it, and agree again at the next.
 - A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
@@ -139,6 +141,11 @@ def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
     for step in [s for s in sorted(syncs[0]) if s >= healed_at]:
         digests = [syncs[g][step]["shard_digests"] for g in range(3)]
         assert digests[0] == digests[1] == digests[2], (step, digests)
+    # the healed group took a live group's inner optimizer state (each group keeps its own moments,
+    # so the survivors' differ): rank by rank, the healed group's equals one of theirs
+    moments = [syncs[g][healed_at]["optimizer_digests"] for g in range(3)]
+    assert all(a != b for a, b in zip(moments[0], moments[2])), moments
+    assert all(mine in (zero, two) for mine, zero, two in zip(moments[1], moments[0], moments[2])), moments
     assert max(syncs[0]) == steps
     # its samples while down were never trained on: counted the same by every group
     per_step = 2 * 2  # micro-batch x ranks of one group
@@ -161,8 +168,10 @@ def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
 
 # FL+HSDP with replica split: of each surviving group only replica 1 (rank 1) loses its peer, while
 # replica 0's exchange succeeds; both still make the same replica gathers, then agree the sync failed
-@pytest.mark.parametrize("extra", [pytest.param((), id="fl-fsdp"),
-                                   pytest.param(("--fl-hsdp-shard-size", "1"), id="fl-hsdp", marks=HEAVY)])
+@pytest.mark.parametrize("extra", [
+    pytest.param(("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback"),
+                 id="fl-fsdp-int8-ef-nesterov"),
+    pytest.param(("--fl-hsdp-shard-size", "1"), id="fl-hsdp", marks=HEAVY)])
 def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
     # rank 1 of group 1 dies inside the sync after step 8, after the vote: the others' exchange fails midway
@@ -170,6 +179,11 @@ def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp
     syncs = [_syncs(run, g) for g in (0, 2)]
     for s in syncs:  # voted down everywhere: the sync's partial results were thrown away
         assert s[8]["sync_committed"] is False
+        # the sync state (outer anchors and momentum, residuals) changes only at syncs: the one voted
+        # down left it as the committed sync of step 4 did, on every rank
+        assert s[8]["sync_state_digests"] == s[4]["sync_state_digests"], (s[4], s[8])
+        if "--fl-outer-optimizer" in extra:  # (plain FedAvg keeps no sync state)
+            assert s[12]["sync_state_digests"] != s[8]["sync_state_digests"]
     # the survivors kept their own pre-sync shards (they differ: nothing was averaged), and the
     # next sync averages them again: from then on they are identical
     later = [step for step in sorted(syncs[0]) if step > 8]

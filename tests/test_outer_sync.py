@@ -272,7 +272,8 @@ def test_overlapped_sync_lands_k_steps_later_keeping_each_groups_progress(tmp_pa
 
 def _backends_job(rank, world, tmp, cache):
     """Every sync option on every backend: nesterov, int8 with error feedback, overlap 1, the
-    moments averaged, a sick group at step 2; after the last (blocking) sync the groups agree."""
+    moments averaged, a sick group at step 2; after the last (blocking) sync the groups agree on
+    their shards and their moments, and every rank holds error-feedback residuals."""
     from fl_test_utils import peers_identical
 
     out = {}
@@ -288,7 +289,11 @@ def _backends_job(rank, world, tmp, cache):
         del os.environ["FL_MEGATRON_FAULT"]
         out[backend] = {"sick": [list(r.sick_groups) for r in results if r is not None],
                         "identical": peers_identical(trainer),
-                        "finite": all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards())}
+                        "finite": all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards()),
+                        # the moments were averaged too, and each rank carries what its int8 encodings lost
+                        "moments_identical": peers_identical(trainer, trainer.backend.inner_state_shards()),
+                        "residuals": sum(float(v.abs().sum()) for k, v in trainer.engine.state_tensors().items()
+                                         if k.startswith("residual."))}
         trainer.close()
     return out
 
@@ -302,6 +307,7 @@ def test_every_sync_option_on_every_backend(tmp_path):
             # launched at 2 (group 1 sick), landed at 3; launched at 4, landed at 5; blocking at 6
             assert got["sick"] == [[1], [], []], (backend, got)
             assert got["identical"] and got["finite"], (backend, got)
+            assert got["moments_identical"] and got["residuals"] > 0, (backend, got)
 
 
 def _hsdp_overlap_job(rank, world, tmp, cache):

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Break the sync path one thing at a time and check that a test of `make test` fails.
+
+Each mutation replaces one piece of code (it must occur exactly once) in a throwaway copy of the
+tree, runs the tests named for it there (one pytest command, stopping at the first failure) and
+reports which test failed and how long that took. A mutation no test catches is a hole in the
+tests: the tool exits 1 then. tests/test_mutation_check.py keeps every mutation's code findable.
+
+  python tools/mutation_check.py                     # every mutation (about 20 minutes on 2 cores)
+  python tools/mutation_check.py --only restore      # the mutations whose name contains "restore"
+  python tools/mutation_check.py --list              # what each one breaks, and its tests
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str        # what the broken code does
+    path: str        # the file, from the repository's root
+    old: str         # the code replaced (exactly once in the file)
+    new: str
+    tests: tuple     # pytest node ids expected to catch it (run in this order, -x)
+
+
+MUTATIONS = (
+    Mutation("average-skipped", "the exact fp32 average sends nothing: every group keeps its own shards",
+             "fl_megatron/federation/averaging.py",
+             "work = peers.call(dist.all_reduce, region, op=dist.ReduceOp.AVG, group=peers.group, async_op=True)",
+             "work = None",
+             ("tests/test_engine_fake_backend.py::test_two_groups_end_each_sync_with_the_mean_of_their_shards",
+              "tests/test_federation_exactness.py::test_fl_fsdp_equals_fsdp_and_syncs_are_exact")),
+    Mutation("wrong-divisor-left-out", "a sync that leaves a sick group out divides by every group, not the senders",
+             "fl_megatron/federation/averaging.py", "item.region.div_(item.divisor)",
+             "item.region.div_(peers.size)",
+             ("tests/test_outer_sync.py::test_a_sick_group_is_left_out_and_reset_to_the_others_average",)),
+    Mutation("wrong-divisor-compressed", "the int8/int4/bf16 mean divides by one more than the senders",
+             "fl_megatron/federation/compression.py", "mean = torch.stack(pieces).sum(dim=0).div_(contributors)",
+             "mean = torch.stack(pieces).sum(dim=0).div_(contributors + 1)",
+             ("tests/test_outer_sync.py::test_error_feedback_keeps_the_sum_of_what_was_sent_on_track",
+              "tests/test_outer_sync.py::test_outer_optimizers_and_compressed_sync")),
+    Mutation("wrong-fragment", "a scheduled sync moves the fragment after the one due",
+             "fl_megatron/federation/engine.py",
+             "else (self._due_fragment(step),)",
+             "else ((self._due_fragment(step) + 1) % self.state.fragments,)",
+             ("tests/test_mode_switch.py",
+              "tests/test_fragments.py::test_fragments_sync_in_turn_exactly_and_reset_a_sick_group_whole")),
+    Mutation("residuals-never-kept", "error feedback keeps no residual: nothing of an encoding's loss is sent again",
+             "fl_megatron/federation/averaging.py",
+             "residual = self.residuals.setdefault(index, torch.zeros_like(region))", "residual = None",
+             ("tests/test_transaction.py", "tests/test_outer_sync.py::test_every_sync_option_on_every_backend")),
+    Mutation("residuals-never-added", "the residual is kept but never added to the next encoding",
+             "fl_megatron/federation/compression.py", "            padded[:n] += residual\n", "            pass\n",
+             ("tests/test_outer_sync.py::test_error_feedback_keeps_the_sum_of_what_was_sent_on_track",)),
+    Mutation("inner-state-average-skipped", "--fl-inner-state average leaves every group's moments as they were",
+             "fl_megatron/federation/inner_state.py",
+             "            moved = averager.average(state, senders.include, senders.contributors, peers=peers)\n"
+             "            stats.inter_group_bytes += moved.inter_group_bytes\n"
+             "            stats.intra_group_bytes += moved.intra_group_bytes\n",
+             "            pass\n",
+             ("tests/test_outer_sync.py::test_inner_state_policies_average_or_reset_the_moments",
+              "tests/test_outer_sync.py::test_every_sync_option_on_every_backend")),
+    Mutation("rollback-restore-removed", "a sync voted down keeps whatever its partial exchange left",
+             "fl_megatron/federation/transaction.py",
+             "        if not self.groups.commit():\n            self.restore()\n",
+             "        if not self.groups.commit():\n            pass\n",
+             ("tests/test_transaction.py", "tests/test_elastic_training.py::"
+              "test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent[fl-fsdp-int8-ef-nesterov]")),
+    Mutation("heal-optimizer-transfer-noop", "a healing group takes the shards but not the inner optimizer state",
+             "fl_megatron/elastic/healing.py",
+             "        self.backend.load_optimizer_transfer_state(state[\"optimizer\"])\n", "",
+             ("tests/test_elastic_training.py::test_a_group_killed_between_syncs_heals_from_the_live_ones[fedavg]",)),
+    Mutation("recut-noop", "a switch of fragments starts the outer optimizer afresh instead of re-cutting its state",
+             "fl_megatron/federation/mode_switch.py",
+             "    if not old or not new or old[0].kind != new[0].kind:\n        return\n",
+             "    return\n",
+             ("tests/test_mode_switch.py",)),
+    Mutation("landing-drops-the-sync", "an overlapped sync lands without merging the average: each group goes on alone",
+             "fl_megatron/federation/landing.py",
+             "        for shard, new in zip(shards, flight.averaged):\n            if include:\n"
+             "                shard.add_(new)\n            else:\n                shard.copy_(new)\n",
+             "        for shard, own, anchor in zip(shards, flight.own, outer.anchors):\n"
+             "            shard.sub_(own).add_(anchor)\n",
+             ("tests/test_outer_sync.py::test_overlapped_sync_lands_k_steps_later_keeping_each_groups_progress",)),
+)
+
+
+def apply(tree: Path, mutation: Mutation) -> None:
+    """Write `mutation` into the copy `tree`; the code it replaces must occur exactly once."""
+    path = tree / mutation.path
+    text = path.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise ValueError(f"{mutation.name}: its code occurs {count} times in {mutation.path}, not once")
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def run(tree: Path, mutation: Mutation, python: str, timeout: float) -> dict:
+    """Apply `mutation` to `tree`, run its tests (-x), undo it. The first failing test, and time."""
+    original = (tree / mutation.path).read_text()
+    apply(tree, mutation)
+    began = time.perf_counter()
+    try:
+        done = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                               "-m", "not heavy", *mutation.tests], cwd=tree, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)})
+        output, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        output, code = str(e.stdout or "") + f"\ntimed out after {timeout:.0f} s", -1
+    finally:
+        (tree / mutation.path).write_text(original)
+    seconds = time.perf_counter() - began
+    failed = re.findall(r"^FAILED (\S+)", output, re.M)
+    return {"mutation": mutation.name, "caught": code != 0 and bool(failed), "failed": failed[:1],
+            "seconds": round(seconds, 1), "tail": "" if failed else output[-1500:]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="run the mutations whose name contains this")
+    p.add_argument("--list", action="store_true", help="list the mutations and their tests; run nothing")
+    p.add_argument("--python", default=sys.executable, help="the python that runs pytest (default: this one)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per mutation's tests")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or args.only in m.name]
+    if not chosen:
+        p.error(f"--only {args.only!r} matches none of: {', '.join(m.name for m in MUTATIONS)}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}\n  {m.path}\n  " + "\n  ".join(m.tests))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="fl-mutations-") as scratch:
+        tree = Path(scratch) / "tree"
+        shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv*", "runs", "__pycache__", ".gpu-carry",
+                                                                  "*.egg-info", ".pytest_cache", ".hypothesis"))
+        results = []
+        for m in chosen:
+            print(f"mutation {m.name}: {m.what} ...", flush=True)
+            r = run(tree, m, args.python, args.timeout)
+            results.append(r)
+            verdict = f"caught by {r['failed'][0]}" if r["caught"] else "NOT CAUGHT"
+            print(f"  {verdict} in {r['seconds']:.0f} s" + (f"\n{r['tail']}" if not r["caught"] else ""), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    missed = [r["mutation"] for r in results if not r["caught"]]
+    print(f"{len(results) - len(missed)} of {len(results)} mutations caught" + (f"; missed: {', '.join(missed)}"
+                                                                                if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
