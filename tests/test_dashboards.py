@@ -15,6 +15,7 @@ from fl_megatron.config.training import TrainingConfig
 from fl_megatron.pretrain import main
 from fl_megatron.training import dashboards
 from fl_megatron.training.dashboards import Dashboards, RunRecords, check_dashboard_packages, scalars
+from tool_loader import tool_module
 
 REPO = Path(__file__).resolve().parents[1]
 needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
@@ -24,10 +25,7 @@ needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is 
 
 
 def _plot_tool():
-    spec = importlib.util.spec_from_file_location("plot_runs", REPO / "tools" / "plot_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module("plot_runs")
 
 
 def _tensorboard_scalars(directory: Path) -> dict:

@@ -94,13 +94,12 @@ def test_dry_run_of_the_published_layouts(name, capsys, monkeypatch):
 
 
 def test_flags_doc_is_up_to_date():
-    import importlib.util
     from pathlib import Path
 
+    from tool_loader import tool_module
+
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("gen_flags_doc", root / "tools" / "gen_flags_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("gen_flags_doc")
     assert (root / "docs" / "flags.md").read_text() == module.render(), \
         "docs/flags.md is stale: run python tools/gen_flags_doc.py"
 

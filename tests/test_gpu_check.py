@@ -4,7 +4,6 @@ dry run accepts (so a lent GPU's few minutes are not lost to a typo in a flag); 
 lent H200 fits its budget; the checks judge fabricated run outputs as a closed form says; and the
 scripts they start (the gloo probe, the codec timing) are right on CPU tensors."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,15 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_loader import tool_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module("gpu_check")
 
 
 def _ctx(tmp_path, name="c"):

@@ -2,18 +2,15 @@
 (so a refactor that moves the code shows up here, not as a mutation that silently breaks nothing),
 and every test it names exists."""
 
-import importlib.util
 import re
 from pathlib import Path
+from tool_loader import tool_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("mutation_check", ROOT / "tools" / "mutation_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module("mutation_check")
 
 
 def test_every_mutation_applies_once_and_names_tests_that_exist(tmp_path):

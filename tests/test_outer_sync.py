@@ -103,7 +103,20 @@ def _outer_job(rank, world, tmp, cache):
     results = [trainer.step(i)[3] for i in range(2)]
     out["int8_payload_ratio"] = results[1].inter_group_bytes / out["shard_bytes"]
     out["int8_identical"] = _peers_equal(trainer)
+    int8 = trainer.backend.full_state_dict()
     trainer.close()
+    # ... and its first sync lands where the fp32 one of the same steps does, up to the codes' rounding
+    # (half a step of 1/127 of a block's largest pseudo-gradient, twice: as sent, then the mean)
+    cfg = base("int8-fp32-reference")
+    cfg.federation.outer_optimizer = "nesterov"
+    trainer = make_trainer(cfg)
+    start = trainer.backend.full_state_dict()
+    for i in range(2):
+        trainer.step(i)
+    fp32 = trainer.backend.full_state_dict()
+    trainer.close()
+    out["int8_vs_fp32"] = max(((int8[k] - fp32[k]).abs().max() / (fp32[k] - start[k]).abs().max()).item()
+                              for k in fp32)
     # int4 with error feedback: half of int8's payload
     cfg = base("int4")
     cfg.federation.sync_dtype, cfg.federation.error_feedback = "int4", True
@@ -130,6 +143,8 @@ def test_outer_optimizers_and_compressed_sync(tmp_path):
         assert r["outer_state_bytes"] == 2 * r["shard_bytes"]  # anchor + momentum: one fp32 shard each
         assert 0.25 <= r["int8_payload_ratio"] <= 0.27, r  # int8 + one fp32 scale per 256 (plus padding)
         assert r["int8_identical"], r
+        assert r["int8_vs_fp32"] <= 0.02, r  # of each tensor's largest update (measured 0.0078; a mean with one
+        # group too many in its divisor is a third off)
         assert 0.128 <= r["int4_payload_ratio"] <= 0.14, r  # two values per byte + one fp32 scale per 256
         assert r["int4_model_ratio"] <= r["int4_payload_ratio"] <= 1.05 * r["int4_model_ratio"], r  # + padding
         assert r["int4_identical"], r

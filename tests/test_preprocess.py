@@ -1,7 +1,6 @@
 """Tests for Megatron-compatible preprocessing (tools/preprocess_data.py) and tokenizer training."""
 
 import gzip
-import importlib.util
 import json
 import os
 import pickle
@@ -18,16 +17,14 @@ from fl_megatron.data.indexed import IndexedDataset
 from fl_megatron.data.preprocess import PreprocessError, preprocess, summary
 from fl_megatron.data.text_tokenizers import SUPPORTED_TYPES, build_tokenizer
 from fl_megatron.data.tokenizer import Tokenizer, train_sentencepiece
+from tool_loader import tool_module
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = "naïve café — 東京 🙂\n    def f(x):\n\treturn x ** 2  # 12345\n"
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module(name)
 
 
 @pytest.fixture(scope="module")
