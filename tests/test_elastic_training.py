@@ -10,6 +10,8 @@ groups meeting only at syncs (tools/elastic_launch.py).
   optimizer state is the one a live group sent.
 - A peer lost in the middle of a sync (Nesterov, int8 + error feedback): the survivors vote it
   down, their sync state (anchors, momentum, residuals) as before it, and agree again at the next.
+- A peer that hangs in a sync (SIGSTOP: no collective raises) is timed out after
+  --fl-peer-timeout-seconds; the survivors vote the sync down and go on without restarting.
 - A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
@@ -194,6 +196,31 @@ def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp
     assert summaries[0]["elastic"]["failed_syncs"] == 1 == summaries[2]["elastic"]["failed_syncs"]
     final = [json.loads(line) for line in (_group_dir(run, 1) / "metrics.jsonl").read_text().splitlines()]
     assert final[-1]["step"] == steps and final[-1]["shard_digests"] == syncs[0][steps]["shard_digests"]
+
+
+def test_a_peer_that_hangs_in_a_sync_is_timed_out_and_the_survivors_go_on(tmp_path):
+    """A peer that hangs with its connections open (SIGSTOP), so that no collective raises: the
+    survivors' cross-group calls are bounded by --fl-peer-timeout-seconds (10 s here, far below
+    the 1.5-minute collective timeout that bounded them before), the sync is voted down and rolled
+    back, and they go on without restarting; the hung group ends when its own job times it out."""
+    steps, run, peer_timeout = 16, tmp_path / "run", 10
+    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback",
+             "--fl-peer-timeout-seconds", str(peer_timeout), "--distributed-timeout-minutes", "1.5")
+    # rank 1 of group 1 stops inside the sync after step 8, after the vote, before data moves
+    _elastic(run, steps, min_groups=2, fault="hang:exchange:8:3", extra=extra, failing=(1,))
+    syncs = [_syncs(run, g) for g in (0, 2)]
+    for s in syncs:
+        assert s[8]["sync_committed"] is False
+        assert s[8]["sync_seconds"] < peer_timeout + 15, s[8]["sync_seconds"]  # not the 90 s collective timeout
+        assert s[8]["sync_state_digests"] == s[4]["sync_state_digests"]  # rolled back
+        assert [s[t]["groups"] for t in (12, 16)] == [[0, 2], [0, 2]]
+    for t in (12, 16):  # the survivors agree again from the next sync on
+        assert syncs[0][t]["shard_digests"] == syncs[1][t]["shard_digests"], t
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in (0, 2)]
+    for summary in summaries:  # one run each, from step 1 to the end: they never restarted
+        assert summary["first_step"] == 1 and summary["last_step"] == steps
+        assert summary["elastic"]["failed_syncs"] == 1
+    assert "--fl-peer-timeout-seconds" not in (run / "launch" / "group_0.log").read_text()  # gloo: no abort
 
 
 @HEAVY

@@ -5,6 +5,8 @@ from the shards, and does not count as the last sync; a committed sync after it 
 
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -12,6 +14,7 @@ from fl_megatron.config import FederationConfig
 from fl_megatron.federation import FederationEngine, compression
 from fl_megatron.federation.membership import whole_federation
 from fl_megatron.federation.transaction import RollbackTransaction
+from fl_megatron.local_ranks import run_ranks
 from fl_megatron.topology import make_layout
 from test_engine_fake_backend import FakeBackend
 
@@ -27,6 +30,7 @@ def _elastic_groups(world, votes: list):
                              all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
     groups.transaction = lambda backend, state: RollbackTransaction(groups, backend, state)
     groups.report_error = groups.errors.append
+    groups.peer_deadline = lambda: None
     groups.commit = lambda: votes.pop(0)
     return groups
 
@@ -82,3 +86,86 @@ def test_a_sync_voted_down_restores_shards_anchors_momentum_and_residuals(world,
     moved = engine.sync(6)
     assert moved.committed and engine.last_synced_step == 6 and not votes
     assert not all(torch.equal(a, b) for a, b in zip(backend.shards, shards_before))
+
+
+class MomentBackend(FakeBackend):
+    """A FakeBackend with inner optimizer state: two moments per shard and a Python-int step count
+    (as DeepSpeed's FusedAdam keeps it), sent and taken as `optimizer_transfer_state` says."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.shards = [torch.linspace(-1, 1, 300) * (rank + 1), torch.linspace(0.5, 2, 17) + rank]
+        self.moments = [[s * 0.1 + rank, s.abs() * 0.01 + rank] for s in self.shards]
+        self.step_count = 7 + rank
+
+    def inner_state_shards(self) -> list:
+        return [m for pair in self.moments for m in pair]
+
+    def reset_optimizer_state(self) -> None:
+        self.calls.append("reset")
+        self.moments, self.step_count = [], 0
+
+    def optimizer_transfer_state(self) -> list:
+        return [*self.inner_state_shards(), torch.tensor(self.step_count, dtype=torch.int64)]
+
+    def load_optimizer_transfer_state(self, tensors: list) -> None:
+        *moments, count = tensors
+        self.moments = [[moments[2 * i].clone(), moments[2 * i + 1].clone()] for i in range(len(self.shards))]
+        self.step_count = int(count)
+
+
+def _everything(backend: MomentBackend, engine: FederationEngine) -> dict:
+    """What a sync may touch on this rank, as plain lists (tensors do not outlive the process)."""
+    return {"shards": [s.tolist() for s in backend.shards],
+            "inner": [t.tolist() for t in backend.optimizer_transfer_state()],
+            "sync_state": {k: v.tolist() for k, v in engine.state_tensors().items()},
+            "last_synced_step": engine.last_synced_step}
+
+
+def _rollback_rank(rank: int, world: int, sick_rank: int) -> list:
+    """Group `rank` of 2 (one rank each): syncs at 2 (voted down: the first ever), 4 (kept), 6
+    (voted down), 8 (kept), each after some training; the state before and after each sync."""
+    backend = MomentBackend(rank)
+    groups = _elastic_groups(dist.group.WORLD, [False, True, False, True])
+    groups.coords, groups.rank = (rank, 0, 0), rank
+    groups.federation = [dist.new_group([r]) for r in range(world)][rank]  # each group its own rank
+    groups.meet = lambda: whole_federation(2, rank)
+    inner = "keep" if sick_rank >= 0 else "average"
+    engine = FederationEngine(backend, groups, FederationConfig(outer_optimizer="nesterov", sync_dtype="int8",
+                                                                error_feedback=True, sync_interval=2,
+                                                                inner_state=inner))
+    seen = []
+    for step in (2, 4, 6, 8):
+        _train(backend, 0.1 * step * (rank + 1))
+        if step == 6 and rank == sick_rank:  # a sick group: left out and reset, unless the sync is undone
+            backend.shards[1][3] = float("nan")
+        before = _everything(backend, engine)
+        committed = engine.sync(step).committed
+        seen.append((step, committed, before, _everything(backend, engine), list(backend.calls)))
+        if step == 6 and rank == sick_rank:
+            backend.shards[1][3] = 0.0  # healthy again for the last sync
+    return seen
+
+
+@pytest.mark.parametrize("sick_rank", [-1, 1], ids=["inner-state-average", "sick-group-reset"])
+def test_a_voted_down_sync_leaves_everything_it_touched_as_before(sick_rank):
+    """Nesterov, int8 + error feedback, with --fl-inner-state average (the moments averaged in place)
+    or a sick group (its moments reset): after a voted-down sync the shards, the inner optimizer's
+    state with its step count, the outer anchors and momentum, the residuals and the last synced
+    step equal the state before it, on both ranks; a kept sync changes each of them."""
+    for rank, seen in enumerate(run_ranks(2, _rollback_rank, sick_rank, timeout=120)):
+        for step, committed, before, after, calls in seen:
+            assert committed == (step in (4, 8)), (rank, step)
+            if not committed:
+                for key in before:
+                    assert repr(after[key]) == repr(before[key]), (rank, step, key)  # (repr: NaN equals NaN)
+                continue
+            assert after["shards"] != before["shards"] and after["sync_state"] != before["sync_state"]
+            assert after["last_synced_step"] == step
+        # the sync that was undone did change the inner state before the vote came
+        changed = [s for s in seen if s[0] == 6][0][4]
+        if sick_rank < 0:
+            kept = [s for s in seen if s[0] == 4][0]
+            assert kept[3]["inner"] != kept[2]["inner"]  # a kept sync averages the moments
+        elif rank == sick_rank:
+            assert "reset" in changed

@@ -80,6 +80,17 @@ MUTATIONS = (
              "        if not self.groups.commit():\n            pass\n",
              ("tests/test_transaction.py", "tests/test_elastic_training.py::"
               "test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent[fl-fsdp-int8-ef-nesterov]")),
+    Mutation("rollback-keeps-inner-state", "a sync voted down keeps the inner moments it averaged or reset",
+             "fl_megatron/federation/transaction.py",
+             "        if self.inner is not None:\n            self.backend.load_optimizer_transfer_state(self.inner)\n",
+             "",
+             ("tests/test_transaction.py::test_a_voted_down_sync_leaves_everything_it_touched_as_before",)),
+    Mutation("rollback-keeps-new-outer-state", "a first sync voted down keeps the outer momentum it made",
+             "fl_megatron/federation/outer.py",
+             "            else:  # saved before any outer step: none since (a voted-down first sync made some)\n"
+             "                self.optimizer.state.pop(anchor, None)\n",
+             "",
+             ("tests/test_transaction.py::test_a_voted_down_sync_leaves_everything_it_touched_as_before",)),
     Mutation("heal-optimizer-transfer-noop", "a healing group takes the shards but not the inner optimizer state",
              "fl_megatron/elastic/healing.py",
              "        self.backend.load_optimizer_transfer_state(state[\"optimizer\"])\n", "",

@@ -186,6 +186,11 @@ class FederationConfig:
     quorum_timeout_minutes: float = field(
         default=30.0, metadata={"help": "elastic: how long a sync waits for its quorum of live groups (a "
                                         "restarted group also waits this long for the live groups' next sync)"})
+    peer_timeout_seconds: float = field(
+        default=120.0, metadata={"help": "elastic: how long one cross-group collective of a sync may take; past it "
+                                         "the sync is voted down, the quorum's communicator aborted (NCCL) or timed "
+                                         "out (gloo), and the live groups go on without the hung peer at the next "
+                                         "sync (docs/failures.md). Must exceed the slowest chunk's exchange"})
 
     @property
     def mode(self) -> SyncMode:
@@ -324,6 +329,8 @@ class FederationConfig:
             errors.append(f"min_groups={self.min_groups} must be at least 1")
         if self.quorum_timeout_minutes <= 0:
             errors.append(f"quorum_timeout_minutes={self.quorum_timeout_minutes} must be positive")
+        if self.peer_timeout_seconds <= 0:
+            errors.append(f"peer_timeout_seconds={self.peer_timeout_seconds} must be positive")
         if self.num_groups is None:
             errors.append("elastic mode needs num_groups (--fl-num-groups: the number of group slots; each job "
                           "is one group, so the launcher's world is one group)")

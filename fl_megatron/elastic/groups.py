@@ -46,6 +46,10 @@ class ElasticProcessGroups(ProcessGroups):
     def report_error(self, error: Exception) -> None:
         self.elastic_tier.report_error(error)
 
+    def peer_deadline(self):
+        """The time bound of one sync's cross-group collectives (elastic/peer_deadline.py)."""
+        return self.elastic_tier.deadline()
+
 
 def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, tier: ElasticPeerTier,
                                  timeout: Optional[timedelta] = None,
@@ -82,7 +86,8 @@ def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: 
                                state_dict, load_state_dict, device_type, timeout=timeout,
                                quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes),
                                training_step=training_step, num_groups=fed.num_groups, watch=watch,
-                               replica_id=signature.replica_id(fed.group_id))
+                               replica_id=signature.replica_id(fed.group_id),
+                               peer_timeout=timedelta(seconds=fed.peer_timeout_seconds))
 
     made = tier() if job_rank == 0 else None
     dist.barrier()

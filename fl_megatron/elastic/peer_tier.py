@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..federation.membership import Membership, TooFewGroups
 from .lighthouse_status import missing_groups_text
+from .peer_deadline import PeerDeadline, torchft_deadline
 from .quorum_group import registered_quorum_group, unregister_quorum_group
 from .waiting import WaitWatch
 
@@ -34,7 +35,8 @@ class ElasticPeerTier:
                  load_state_dict: Callable[[dict], None], device_type: str = "cpu",
                  timeout: timedelta = timedelta(seconds=60), quorum_timeout: timedelta = timedelta(minutes=60),
                  training_step: Callable[[], int] = lambda: 0, num_groups: int = 0,
-                 watch: Optional[WaitWatch] = None, replica_id: Optional[str] = None) -> None:
+                 watch: Optional[WaitWatch] = None, replica_id: Optional[str] = None,
+                 peer_timeout: timedelta = timedelta(seconds=120)) -> None:
         if group_id < 0 or min_groups < 1:
             raise ValueError(f"group id {group_id} and minimum groups {min_groups}: need >= 0 and >= 1")
         Manager, ProcessGroupGloo, ProcessGroupNCCL = _torchft()
@@ -42,7 +44,11 @@ class ElasticPeerTier:
         self.lighthouse, self.min_groups, self.num_groups = lighthouse, min_groups, num_groups
         self.quorum_timeout = quorum_timeout
         self.backend = "nccl" if device_type == "cuda" else "gloo"
-        self._pg = ProcessGroupNCCL(timeout=timeout) if self.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        # the quorum's communicator: each cross-group collective bounded by the peer timeout (gloo
+        # times out by itself; on NCCL torchft's timers abort it, see peer_deadline.py)
+        self.peer_timeout = peer_timeout
+        self._pg = (ProcessGroupNCCL(timeout=peer_timeout) if self.backend == "nccl"
+                    else ProcessGroupGloo(timeout=peer_timeout))
         # use_async_quorum=False: the quorum (and any healing) completes inside `meet`, before
         # the sync's collectives; init_sync=False: every group starts from the same seeded values
         self._watch = watch
@@ -103,6 +109,10 @@ class ElasticPeerTier:
         # torchft rebuilt it (on its quorum thread) if the membership changed; from here on only
         # the thread that called meet() issues collectives on it
         raw = self._pg._pg
+        if raw is None:  # aborted at the last sync, and torchft kept the quorum (same members): no communicator
+            raise RuntimeError(f"elastic: the communicator of quorum {self.manager._quorum_id} was aborted after a "
+                               f"peer timed out (--fl-peer-timeout-seconds) and the same groups met again; "
+                               f"restarting this group, which then heals from the live ones")
         if raw is not self._registered:
             unregister_quorum_group(self._registered)
             self._registered = registered_quorum_group(raw, self.backend, self.manager._quorum_id, self._pg._rank)
@@ -115,6 +125,10 @@ class ElasticPeerTier:
             raise RuntimeError(f"elastic: quorum {self.manager._quorum_id} failed on this rank: "
                                f"{self.manager.errored().original_exception}")
         return Membership(self.manager._quorum_id, groups, self._pg._rank, healed, time.perf_counter() - start)
+
+    def deadline(self) -> Optional[PeerDeadline]:
+        """The time bound of one sync's cross-group collectives (NCCL; None on gloo)."""
+        return torchft_deadline(self._pg, self.peer_timeout, self.backend)
 
     def report_error(self, error: Exception) -> None:
         """A collective of this sync failed: the sync will not commit anywhere in this group."""

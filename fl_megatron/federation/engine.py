@@ -5,7 +5,7 @@ roll back (transaction.py), report (result.py). What it keeps between syncs is t
 the current mode (sync_state.py), replaced whole at a switch of mode."""
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -136,7 +136,8 @@ class FederationEngine:
         membership = membership or self.groups.meet()
         transaction = self.groups.transaction(self.backend, self.state)
         transaction.begin()
-        done = self._exchange(step, figures, full, voted, membership, self._peers(membership, transaction.peer_call))
+        done = self._exchange(step, figures, full, voted, membership, self._peers(membership, transaction.peer_call),
+                              transaction.keep_inner_state)
         sums = metric_sums(done.stats, done.shards if self.state.outers else None) if done.consensus is None else None
         verdict = transaction.conclude(step, sums, self._device_of(done.shards))
         if not verdict.committed:
@@ -180,7 +181,7 @@ class FederationEngine:
         return Senders.of(self.vote, membership.groups, group, vote_failed=has_failed(peers.call))
 
     def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: bool,
-                  membership: Membership, peers: Peers) -> Exchanged:
+                  membership: Membership, peers: Peers, keep_inner_state: Callable[[], None]) -> Exchanged:
         """The vote and the exchange of a blocking sync (every cross-group collective of it), in place."""
         shards = self.backend.local_shards()
         group, num_groups = self.groups.coords[0], self.groups.layout.num_groups
@@ -195,7 +196,7 @@ class FederationEngine:
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(senders.sick))
         fragments = tuple(range(self.state.fragments)) if full or senders.sick else (self._due_fragment(step),)
-        context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups)
+        context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups, keep_inner_state)
         return exchange(self.state, self.backend, shards, context, consensus)
 
     def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:

@@ -4,7 +4,7 @@ optimizer's state as --fl-inner-state says. Everything it needs is passed in: wh
 which peers, which graph; it changes only the shards and the sync state, in place."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,6 +29,7 @@ class ExchangeContext:
     fragments: tuple        # the fragments a complete average moves (all, or the one due)
     group: int              # this rank's federation group
     num_groups: int         # the federation's group slots (a gossip round's graph)
+    keep_inner_state: Callable[[], None] = lambda: None  # before the inner moments change (a rollback's copy)
 
 
 @dataclass
@@ -74,5 +75,6 @@ def exchange(state: SyncState, backend: ShardOwner, shards: list, context: Excha
         mixing = gossip_round(choice.graph, context.num_groups, context.group, choice.round_index)
         stats = state.averagers[0].average(shards, mixing=mixing, peers=context.peers)
     settle_inner_state(state.settings.inner_state, backend, state.state_averager, stats, senders, context.peers,
-                       context.group in senders.sick, moved[0] if len(moved) == 1 else None, state.fragments)
+                       context.group in senders.sick, moved[0] if len(moved) == 1 else None, state.fragments,
+                       context.keep_inner_state)
     return Exchanged(stats, senders.sick, consensus, choice, moved, shards)

@@ -3,7 +3,7 @@
 unless they are averaged (a healing group keeps the moments it received). A sync of one fragment
 averages the same fraction of the moments, cut the same way, in turn."""
 
-from typing import Optional
+from typing import Callable, Optional
 
 from .averaging import Peers, ShardAverager, SyncStats
 from .contract import ShardOwner
@@ -13,16 +13,19 @@ from .vote import Senders
 
 def settle_inner_state(policy: str, backend: ShardOwner, averager: ShardAverager, stats: SyncStats,
                        senders: Senders, peers: Peers, sick: bool, fragment: Optional[int] = None,
-                       fragments: int = 1) -> None:
+                       fragments: int = 1, before_change: Callable[[], None] = lambda: None) -> None:
     """Apply `policy` after the shards were exchanged; the moments' bytes go into `stats`.
-    `sick`: this rank's group was left out as sick. `fragment`: the one fragment this sync moved."""
+    `sick`: this rank's group was left out as sick. `fragment`: the one fragment this sync moved.
+    `before_change`: called before the moments change (a sync that may be voted down keeps them)."""
     if policy == "average":
         state = backend.inner_state_shards()
         if state and fragment is not None and fragments > 1:
             state = fragment_views(state, fragments)[fragment]
         if state:
+            before_change()
             moved = averager.average(state, senders.include, senders.contributors, peers=peers)
             stats.inter_group_bytes += moved.inter_group_bytes
             stats.intra_group_bytes += moved.intra_group_bytes
     elif policy == "reset" or sick:
+        before_change()
         backend.reset_optimizer_state()

@@ -70,3 +70,5 @@ class OuterOptimizer:
             state = {k[len(prefix):]: v.clone() for k, v in tensors.items() if k.startswith(prefix)}
             if state:
                 self.optimizer.state[anchor] = state
+            else:  # saved before any outer step: none since (a voted-down first sync made some)
+                self.optimizer.state.pop(anchor, None)

@@ -38,6 +38,9 @@ class OneWorldTransaction:
     def begin(self) -> None:
         """Before the sync's first collective: nothing to keep."""
 
+    def keep_inner_state(self) -> None:
+        """Before the sync changes the inner optimizer's state: nothing to keep."""
+
     def conclude(self, step: int, sums: Optional[list], device) -> Verdict:
         if sums is None:
             return Verdict(True)
@@ -51,14 +54,16 @@ class RollbackTransaction:
     sync's PeerLatch: the first that fails (a peer lost midway) is remembered and the later ones are
     skipped, while the in-group ones (HSDP's replica gathers) go on, so every rank of the group
     makes the same in-group calls. Then one more, the error flag and the metric sums over the group,
-    tells the group whether any of its ranks failed; then torchft's commit. Voted down: the shards
-    and the sync state are restored from host copies taken before the sync (one more fp32 copy of
-    the shards in host memory while it runs)."""
+    tells the group whether any of its ranks failed; then torchft's commit. Voted down: the shards,
+    the sync state and (where the sync changed it) the inner optimizer's state are restored from
+    host copies taken before the sync (one more fp32 copy of the shards in host memory while it
+    runs, and of the optimizer's state with --fl-inner-state average or in a sick group)."""
 
     def __init__(self, groups, backend: ShardOwner, state: SyncState) -> None:
         self.groups, self.backend, self.state = groups, backend, state
-        self.latch = PeerLatch()
+        self.latch = PeerLatch(groups.peer_deadline())
         self.backup: Optional[HostBackup] = None
+        self.inner: Optional[list] = None  # the inner optimizer's state, if the sync changes it
 
     @property
     def peer_call(self) -> PeerLatch:
@@ -66,9 +71,17 @@ class RollbackTransaction:
 
     def begin(self) -> None:
         self.backup = host_backup(self.backend.local_shards(), self.state.state_tensors())
+        self.inner = None
+
+    def keep_inner_state(self) -> None:
+        """Before the sync averages or resets the inner optimizer's state (--fl-inner-state
+        average, a sick group): a host copy of all of it, step counts included (what a healing
+        group receives), once per sync."""
+        if self.inner is None:
+            self.inner = [t.detach().to("cpu", copy=True) for t in self.backend.optimizer_transfer_state()]
 
     def conclude(self, step: int, sums: Optional[list], device) -> Verdict:
-        failed = self.latch.error  # a peer lost during the sync's collectives: the later ones were skipped
+        failed = self.latch.settle()  # a peer lost or hung during the sync's collectives: the later ones were skipped
         agreed = torch.tensor([float(failed is not None), *(sums or [])], dtype=torch.float64, device=device)
         dist.all_reduce(agreed, group=self.groups.federation)
         if agreed[0] > 0:  # this rank's peers or a group mate's: the group votes the sync down
@@ -82,9 +95,12 @@ class RollbackTransaction:
         return Verdict(True, agreed[1:].tolist() if sums is not None else None)
 
     def restore(self) -> None:
-        """The shards and the sync state as they were before the sync, and what derives from them."""
+        """The shards, the sync state and the inner optimizer's state as they were before the
+        sync, and what derives from them."""
         shards = self.backend.local_shards()
         device = shards[0].device if shards else "cpu"
         self.backup.restore(shards, lambda saved: self.state.load_state_tensors(
             {k: v.to(device) for k, v in saved.items()}))
+        if self.inner is not None:
+            self.backend.load_optimizer_transfer_state(self.inner)
         self.backend.refresh_after_sync()

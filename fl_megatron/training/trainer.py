@@ -128,16 +128,20 @@ class Trainer:
         (it is the job) watching for a signal or a time limit."""
         return not self.federated and self._stop is not None and self._stop.watching
 
-    def _agreed_stop(self, done: int, figures: Optional[GroupFigures]) -> Optional[tuple[bool, bool]]:
-        """Every rank's stop requests combined after step `done`, where this step agreed them."""
+    def _agreed_stop(self, done: int, figures: Optional[GroupFigures],
+                     sync: Optional[SyncResult] = None) -> Optional[tuple[bool, bool]]:
+        """Every rank's stop requests combined after step `done`, where this step agreed them.
+        `sync`: the sync this step made (its vote agreed them; in elastic mode a group that healed
+        there voted at its own, older step and goes on at the live groups' step `done`)."""
         stop = self._stop
         if not stop.watching:
             return None
         if not self.federated:
             return (figures.signalled, figures.timed_out)
-        if self.engine.active:  # at the vote of a sync, if this step had one
+        if self.engine.active:  # at the vote of a sync (or of an overlapped launch), if this step had one
             vote = self.engine.vote
-            return (vote.signalled, vote.timed_out) if vote is not None and vote.step == done else None
+            voted_here = vote is not None and (vote.step == done or (sync is not None and vote.step == sync.step))
+            return (vote.signalled, vote.timed_out) if voted_here else None
         # independent groups (averaging disabled) never meet: a small all-reduce over the job
         flags = torch.tensor(stop.requests(), dtype=torch.float32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -185,14 +189,21 @@ class Trainer:
         self.reporter.start(self.start_step)
         step = done = self.start_step
         stopped, last, too_few, evals = None, None, None, []
-        while step < t.train_iters:
+        joined = self.session.joined_sync  # elastic: the sync this group healed at, before its first step
+        if joined is not None and step < t.train_iters:  # a stop agreed there holds for it too
+            stopped = stop.reason(step, self._agreed_stop(step, None, joined))
+            if stopped:
+                say(f"  stopping at step {step}, where it healed ({stopped})", self.is_writer)
+                self.checkpoints.after_step(step, stopped, learning_rate(step, t))
+        while step < t.train_iters and not stopped:
             last = self.step(step)
             step = done = self.session.healed_step(last.sync) or step + 1  # a group behind jumps to the live step
             if last.too_few is not None:  # log, save (--save) this step's state, before the sync, and stop
                 too_few = last.too_few
                 stopped = f"too few groups at the sync of step {done}: {too_few}"
             else:
-                stopped = stop.reason(done, self._agreed_stop(done, last.figures)) if done < t.train_iters else None
+                stopped = (stop.reason(done, self._agreed_stop(done, last.figures, last.sync))
+                           if done < t.train_iters else None)
             self.reporter.step(done, last)
             self.checkpoints.after_step(done, stopped, last.lr)
             if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
