@@ -16,6 +16,11 @@ that step; `jitter:MEAN:SEED` makes every group sleep before every step for a ra
 of a group). `lockstep` ends every step with a world all-reduce, as the loop did before the
 groups stopped meeting between syncs (the benchmark's "before" row). `slow-sync:SECONDS@STEP`
 makes every sync's exchange from step STEP on sleep SECONDS (a link that slowed down).
+`slow-restart:GROUP:SECONDS` makes a restarted attempt of that group (TORCHELASTIC_RESTART_COUNT
+> 0) sleep that long after building its backend and reading its checkpoint, before it joins the
+others: the slow start of a big model.
+`refuse-commit:GROUP@STEP` makes that group (elastic mode) vote down the sync of that step while
+the others commit it: a split commit.
 Several faults may be given, separated by commas.
 """
 
@@ -49,6 +54,24 @@ def kill_point(phase: str, step: int, rank: int) -> None:
 def nan_requested(group: int, step: int) -> bool:
     faults = _faults()
     return f"nan-shard:{group}@{step}" in faults or f"nan-shard:all@{step}" in faults
+
+
+def restart_delay_seconds(group: int) -> float:
+    """How long a restarted attempt of `group` sleeps before joining (`slow-restart`)."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return 0.0
+    total = 0.0
+    for fault in _faults():
+        name, _, rest = fault.partition(":")
+        if name == "slow-restart":
+            g, seconds = rest.split(":")
+            total += float(seconds) if int(g) == group else 0.0
+    return total
+
+
+def commit_refused(group: int, step: int) -> bool:
+    """Whether this group votes down the sync of `step` whatever happened (a split commit, for tests)."""
+    return f"refuse-commit:{group}@{step}" in _faults()
 
 
 def delay_seconds(group: int, step: int) -> float:

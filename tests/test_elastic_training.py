@@ -12,6 +12,8 @@ groups meeting only at syncs (tools/elastic_launch.py).
   down, their sync state (anchors, momentum, residuals) as before it, and agree again at the next.
 - A peer that hangs in a sync (SIGSTOP: no collective raises) is timed out after
   --fl-peer-timeout-seconds; the survivors vote the sync down and go on without restarting.
+- A split commit (one group votes a sync down, the others keep it) is repaired at the next meeting:
+  the group behind heals from the others.
 - A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
@@ -48,12 +50,12 @@ def _env(fault: str = "") -> dict:
 
 def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
              timeout: float = 420, extra: tuple = (), groups: int = 3, start_delays: tuple = (),
-             failing: tuple = ()) -> tuple[dict, str]:
+             failing: tuple = (), join_timeout_ms: int = 60000) -> tuple[dict, str]:
     """Run the launcher; every group but those in `failing` must exit 0 (and those must not).
     Returns the groups' exit codes and what the launcher printed, which must show group 0's
     progress and each group's last line with its exit code (a `done:` line where it is 0)."""
     argv = [sys.executable, str(LAUNCHER), "--groups", str(groups), "--ranks-per-group", "2",
-            "--min-groups", str(min_groups), "--max-restarts", str(max_restarts), "--join-timeout-ms", "60000",
+            "--min-groups", str(min_groups), "--max-restarts", str(max_restarts), "--join-timeout-ms", str(join_timeout_ms),
             "--heartbeat-timeout-ms", "1000", "--timeout", str(timeout),
             *[f"--start-delay={g}:{s}" for g, s in start_delays], "--", *COMMON, "--train-iters", str(steps),
             "--fl-sync-digest", "--run-dir", str(run_dir), *extra]
@@ -106,6 +108,20 @@ def test_elastic_without_faults_equals_one_world(tmp_path):
         assert digests[0] == digests[1] == digests[2], (step, digests)
     # the digests change from sync to sync (they hash the shards, not a constant)
     assert syncs[0][4]["shard_digests"] != syncs[0][8]["shard_digests"]
+
+
+def test_a_fresh_federation_whose_groups_start_apart_loses_no_steps(tmp_path):
+    """Groups whose jobs come up 0, 2.5 and 5 s apart (--fl-min-groups 2): the first meeting waits
+    for every slot (--fl-start-wait-seconds, 120 s by default), so no group heals into the run.
+    (With --fl-start-wait-seconds 0 group 2 missed the first quorum here and healed at step 4.)"""
+    steps, run = 8, tmp_path / "run"
+    _elastic(run, steps, min_groups=2, start_delays=((1, 2.5), (2, 5)))
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
+    for g, summary in enumerate(summaries):
+        assert summary["first_step"] == 1 and summary["last_step"] == steps, (g, summary)
+        assert summary["elastic"]["healed_at_step"] is None and summary["elastic"]["healed"] == 0, (g, summary)
+    syncs = [_syncs(run, g) for g in range(3)]
+    assert all(s[t]["groups"] == [0, 1, 2] for s in syncs for t in (4, 8))
 
 
 # the survivors pause before step 9 (after the sync of step 8, which they make without group 1):
@@ -201,17 +217,19 @@ def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp
 def test_a_peer_that_hangs_in_a_sync_is_timed_out_and_the_survivors_go_on(tmp_path):
     """A peer that hangs with its connections open (SIGSTOP), so that no collective raises: the
     survivors' cross-group calls are bounded by --fl-peer-timeout-seconds (10 s here, far below
-    the 1.5-minute collective timeout that bounded them before), the sync is voted down and rolled
-    back, and they go on without restarting; the hung group ends when its own job times it out."""
+    the 45 s collective timeout that bounded them before), the sync is voted down and rolled back,
+    and they go on without restarting; the hung group ends when its own job times it out (until
+    then it heartbeats, so the survivors' next quorum waits the lighthouse's join timeout, 20 s)."""
     steps, run, peer_timeout = 16, tmp_path / "run", 10
     extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback",
-             "--fl-peer-timeout-seconds", str(peer_timeout), "--distributed-timeout-minutes", "1.5")
+             "--fl-peer-timeout-seconds", str(peer_timeout), "--distributed-timeout-minutes", "0.75",
+             "--fl-start-wait-seconds", "30")
     # rank 1 of group 1 stops inside the sync after step 8, after the vote, before data moves
-    _elastic(run, steps, min_groups=2, fault="hang:exchange:8:3", extra=extra, failing=(1,))
+    _elastic(run, steps, min_groups=2, fault="hang:exchange:8:3", extra=extra, failing=(1,), join_timeout_ms=20000)
     syncs = [_syncs(run, g) for g in (0, 2)]
     for s in syncs:
         assert s[8]["sync_committed"] is False
-        assert s[8]["sync_seconds"] < peer_timeout + 15, s[8]["sync_seconds"]  # not the 90 s collective timeout
+        assert s[8]["sync_seconds"] < peer_timeout + 15, s[8]["sync_seconds"]  # not the 45 s collective timeout
         assert s[8]["sync_state_digests"] == s[4]["sync_state_digests"]  # rolled back
         assert [s[t]["groups"] for t in (12, 16)] == [[0, 2], [0, 2]]
     for t in (12, 16):  # the survivors agree again from the next sync on
@@ -221,6 +239,29 @@ def test_a_peer_that_hangs_in_a_sync_is_timed_out_and_the_survivors_go_on(tmp_pa
         assert summary["first_step"] == 1 and summary["last_step"] == steps
         assert summary["elastic"]["failed_syncs"] == 1
     assert "--fl-peer-timeout-seconds" not in (run / "launch" / "group_0.log").read_text()  # gloo: no abort
+
+
+def test_a_split_commit_is_repaired_at_the_next_meeting(tmp_path):
+    """Group 1 votes down the sync of step 8 while groups 0 and 2 commit it (nesterov, int8 + error
+    feedback): its anchors, momentum and shards then differ from theirs. torchft's step counts the
+    syncs each group kept, so at the next meeting group 1 is behind and heals from the others; from
+    then on all three hold the same shards."""
+    steps, run = 16, tmp_path / "run"
+    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback")
+    _elastic(run, steps, min_groups=3, fault="refuse-commit:1@8", extra=extra)
+    syncs = [_syncs(run, g) for g in range(3)]
+    assert syncs[1][8]["sync_committed"] is False
+    assert "sync_committed" not in syncs[0][8] and "sync_committed" not in syncs[2][8]  # kept there
+    assert syncs[1][8]["sync_state_digests"] == syncs[1][4]["sync_state_digests"]  # rolled back
+    assert syncs[0][8]["sync_state_digests"] != syncs[1][8]["sync_state_digests"]  # the split
+    assert [s[12]["healed_groups"] for s in syncs] == [[1], [1], [1]]
+    # (each group's error-feedback residuals are its own, so only the shards are compared: equal
+    # shards after the outer step of 16 need equal anchors and momentum at 12)
+    for t in (12, 16):
+        assert syncs[0][t]["shard_digests"] == syncs[1][t]["shard_digests"] == syncs[2][t]["shard_digests"], t
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
+    assert [s["first_step"] for s in summaries] == [1, 1, 1] and [s["last_step"] for s in summaries] == [steps] * 3
+    assert summaries[1]["elastic"]["healed_at_step"] == 12
 
 
 @HEAVY

@@ -154,7 +154,7 @@ def test_a_voted_down_sync_leaves_everything_it_touched_as_before(sick_rank):
     state with its step count, the outer anchors and momentum, the residuals and the last synced
     step equal the state before it, on both ranks; a kept sync changes each of them."""
     for rank, seen in enumerate(run_ranks(2, _rollback_rank, sick_rank, timeout=120)):
-        for step, committed, before, after, calls in seen:
+        for step, committed, before, after, _calls in seen:
             assert committed == (step in (4, 8)), (rank, step)
             if not committed:
                 for key in before:

@@ -91,6 +91,18 @@ MUTATIONS = (
              "                self.optimizer.state.pop(anchor, None)\n",
              "",
              ("tests/test_transaction.py::test_a_voted_down_sync_leaves_everything_it_touched_as_before",)),
+    Mutation("split-commit-never-healed", "torchft's step is the training step only: a group that voted down a sync "
+             "the others kept is never healed", "fl_megatron/elastic/peer_tier.py",
+             "        self._position = position or training_step\n", "        self._position = training_step\n",
+             ("tests/test_elastic_training.py::test_a_split_commit_is_repaired_at_the_next_meeting",)),
+    Mutation("healed-group-misses-the-stop", "a group that healed at a sync reads the stop only from a vote at its "
+             "new step", "fl_megatron/training/trainer.py",
+             "(vote.step == done or (sync is not None and vote.step == sync.step))", "vote.step == done",
+             ("tests/test_healed_stop.py",)),
+    Mutation("peer-deadline-ignored", "a cross-group call that outlives the bound is taken as it returned",
+             "fl_megatron/federation/failed_collective.py",
+             "        return None if self.error is not None else result\n", "        return result\n",
+             ("tests/test_peer_deadline.py",)),
     Mutation("heal-optimizer-transfer-noop", "a healing group takes the shards but not the inner optimizer state",
              "fl_megatron/elastic/healing.py",
              "        self.backend.load_optimizer_transfer_state(state[\"optimizer\"])\n", "",

@@ -163,6 +163,7 @@ class Checkpointer:
             meta = build_metadata(self.run, iteration, self.engine.last_synced_step, synced_now,
                                   self.options.ckpt_mode, saved_groups, self.engine.mode)
             meta["federation"]["schedule"] = self.engine.schedule.state()
+            meta["federation"]["committed_syncs"] = self.engine.committed_syncs
             if self.tune_state is not None:
                 meta["federation"]["tune"] = self.tune_state()
         pending = PendingSave(root, iteration, staging, future, meta)
@@ -243,6 +244,7 @@ class Checkpointer:
         else:
             notes.append("random states re-seeded and byte counters restarted (another world size)")
         self.engine.last_synced_step = meta["federation"]["last_synced_step"]
+        self.engine.committed_syncs = meta["federation"].get("committed_syncs", 0)  # (older checkpoints: none)
         saved_fed, fed = meta["config"]["federation"], self.engine.config
         outer = outer_file(path, self.rank)
         same_cut = saved_mode(meta).fragments == fed.fragments

@@ -186,6 +186,12 @@ class FederationConfig:
     quorum_timeout_minutes: float = field(
         default=30.0, metadata={"help": "elastic: how long a sync waits for its quorum of live groups (a "
                                         "restarted group also waits this long for the live groups' next sync)"})
+    start_wait_seconds: float = field(
+        default=120.0, metadata={"help": "elastic: at a fresh federation's start (the lighthouse has formed no quorum "
+                                         "yet, or no other group heartbeats), how long a group waits for every group "
+                                         "slot to heartbeat before the first meeting, so that a group a few seconds "
+                                         "late is in it instead of healing into the run H steps later (0: meet at "
+                                         "once). Below --distributed-timeout-minutes"})
     peer_timeout_seconds: float = field(
         default=120.0, metadata={"help": "elastic: how long one cross-group collective of a sync may take; past it "
                                          "the sync is voted down, the quorum's communicator aborted (NCCL) or timed "
@@ -329,6 +335,8 @@ class FederationConfig:
             errors.append(f"min_groups={self.min_groups} must be at least 1")
         if self.quorum_timeout_minutes <= 0:
             errors.append(f"quorum_timeout_minutes={self.quorum_timeout_minutes} must be positive")
+        if self.start_wait_seconds < 0:
+            errors.append(f"start_wait_seconds={self.start_wait_seconds} must be >= 0")
         if self.peer_timeout_seconds <= 0:
             errors.append(f"peer_timeout_seconds={self.peer_timeout_seconds} must be positive")
         if self.num_groups is None:

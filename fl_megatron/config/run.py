@@ -154,6 +154,11 @@ class RunConfig:
         if c.save and c.async_save:
             problems.append("--async-save: an elastic checkpoint is written in the group's own directory right after "
                             "a sync, synchronously (not built for background writes yet)")
+        wait, timeout = self.federation.start_wait_seconds, self.parallel.distributed_timeout_minutes * 60
+        if wait >= timeout:
+            problems.append(f"--fl-start-wait-seconds {wait:g}: a group's other ranks wait for its first rank's wait "
+                            f"in a collective, which --distributed-timeout-minutes "
+                            f"{self.parallel.distributed_timeout_minutes:g} ({timeout:g} s) would end first")
         if c.save and c.ckpt_mode == "compact":
             problems.append("--ckpt-mode compact: each elastic group saves its own state in its own directory")
         if problems:

@@ -35,7 +35,8 @@ class ElasticProcessGroups(ProcessGroups):
     def peer(self) -> Optional[dist.ProcessGroup]:
         """The ranks holding this rank's shard position in the live groups of the current quorum
         (None before the first quorum: the engine binds its averagers at each sync's `meet`)."""
-        return self.elastic_tier.group if self.elastic_tier.has_quorum else None
+        tier = self.elastic_tier  # (None until the session joins it)
+        return tier.group if tier is not None and tier.has_quorum else None
 
     def meet(self) -> Membership:
         return self.elastic_tier.meet()
@@ -51,7 +52,7 @@ class ElasticProcessGroups(ProcessGroups):
         return self.elastic_tier.deadline()
 
 
-def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, tier: ElasticPeerTier,
+def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, tier: Optional[ElasticPeerTier],
                                  timeout: Optional[timedelta] = None,
                                  async_checkpoint: bool = False) -> ElasticProcessGroups:
     """This job's groups (collective over the job) for federation rank `rank` of `layout`."""
@@ -68,11 +69,12 @@ def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, ti
 def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: str, timeout: timedelta,
               state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
               training_step: Callable[[], int], signature: Signature, say: Callable[[str], None],
-              run_dir: Optional[str] = None) -> ElasticPeerTier:
+              run_dir: Optional[str] = None, position: Optional[Callable[[], int]] = None) -> ElasticPeerTier:
     """This rank's torchft manager (collective over the job). Its group's manager server starts
     on rank 0 first: torchft publishes the server's address in the job's store, where a restarted
     job would otherwise find its previous attempt's address. `signature`: what the groups must
-    agree on (refused at the first meeting otherwise, see waiting.py); `say`: the console."""
+    agree on (refused at the first meeting otherwise, see waiting.py); `say`: the console;
+    `position`: torchft's step (default: the training step)."""
     address = fed.lighthouse if "://" in fed.lighthouse else f"http://{fed.lighthouse}"
     store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
@@ -86,6 +88,7 @@ def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: 
                                state_dict, load_state_dict, device_type, timeout=timeout,
                                quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes),
                                training_step=training_step, num_groups=fed.num_groups, watch=watch,
+                               position=position,
                                replica_id=signature.replica_id(fed.group_id),
                                peer_timeout=timedelta(seconds=fed.peer_timeout_seconds))
 

@@ -11,6 +11,19 @@ import torch.distributed as dist
 from ..federation import SyncResult
 
 
+COMMITTED_SYNC_BITS = 24  # torchft's step: the training step, then the syncs kept (up to 16.7 M)
+
+
+def torchft_step(step: int, committed_syncs: int) -> int:
+    """The position torchft compares between groups (the highest are the quorum's sources, any
+    lower one heals from them): the training step first, then the syncs this group kept. Groups
+    at one step that kept different syncs (a split commit: one voted a sync down while the others
+    committed it) differ in their outer state, and the one behind heals at the next meeting."""
+    if not 0 <= committed_syncs < 1 << COMMITTED_SYNC_BITS:
+        raise ValueError(f"{committed_syncs} committed syncs do not fit torchft's step")
+    return (step << COMMITTED_SYNC_BITS) | committed_syncs
+
+
 @dataclass
 class HealingState:
     """The training position that travels with the shards to a healing group: the step of the
@@ -30,7 +43,7 @@ class HealingState:
         """This rank's state for rank k of a healing group. torchft calls it on its quorum thread
         while the main thread waits in the quorum: it reads tensors and issues no collective."""
         return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
-                "at_start": self.at_start,
+                "at_start": self.at_start, "committed_syncs": self.engine.committed_syncs,
                 "shards": self.backend.local_shards(), "optimizer": self.backend.optimizer_transfer_state(),
                 "engine": self.engine.state_tensors()}
 
@@ -46,6 +59,7 @@ class HealingState:
         self.backend.load_optimizer_transfer_state(state["optimizer"])
         self.engine.load_state_tensors(state["engine"])
         self.engine.forget_residuals()  # the sender keeps carrying its own compression error
+        self.engine.committed_syncs = state["committed_syncs"]
         self.backend.refresh_after_sync()
         self.step, self.last_sync = state["step"], state["last_sync"]
         self.skipped_samples, self.healed_at = state["skipped_samples"], state["step"]

@@ -4,6 +4,7 @@ which groups are missing."""
 
 import re
 import urllib.request
+from dataclasses import dataclass
 
 # one entry per replica id the lighthouse has seen; class "old": silent past its heartbeat timeout
 _HEARTBEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*(\S+): seen')
@@ -14,15 +15,40 @@ def status_url(lighthouse: str) -> str:
     return (lighthouse if "://" in lighthouse else f"http://{lighthouse}").rstrip("/") + "/status"
 
 
-def heartbeating_replicas(lighthouse: str, timeout_s: float = 5.0) -> list:
-    """The replica ids (torchft's, with their ':<uuid>') heartbeating now. Raises OSError when the
-    lighthouse cannot be reached, ValueError when the page is not its status page."""
+_QUORUM_ID = re.compile(r"Current quorum_id:\s*(-?\d+)")
+
+
+def _status_page(lighthouse: str, timeout_s: float) -> str:
     url = status_url(lighthouse)
     with urllib.request.urlopen(url, timeout=timeout_s) as page:
         text = page.read().decode(errors="replace")
     if "Heartbeats" not in text:
         raise ValueError(f"{url} is not a torchft lighthouse's status page")
-    return [replica for old, replica in _HEARTBEAT.findall(text) if not old]
+    return text
+
+
+def heartbeating_replicas(lighthouse: str, timeout_s: float = 5.0) -> list:
+    """The replica ids (torchft's, with their ':<uuid>') heartbeating now. Raises OSError when the
+    lighthouse cannot be reached, ValueError when the page is not its status page."""
+    return [replica for old, replica in _HEARTBEAT.findall(_status_page(lighthouse, timeout_s)) if not old]
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """The lighthouse now: its last quorum's id (0: it has formed none) and the group slots heartbeating."""
+
+    quorum_id: int
+    groups: frozenset
+
+
+def lighthouse_status(lighthouse: str, timeout_s: float = 5.0) -> LighthouseStatus:
+    """(see heartbeating_replicas for the errors)"""
+    text = _status_page(lighthouse, timeout_s)
+    found = _QUORUM_ID.search(text)
+    if found is None:
+        raise ValueError(f"{status_url(lighthouse)} names no current quorum_id")
+    slots = (group_slot(replica) for old, replica in _HEARTBEAT.findall(text) if not old)
+    return LighthouseStatus(int(found.group(1)), frozenset(slot for slot in slots if slot is not None))
 
 
 def group_slot(replica: str):

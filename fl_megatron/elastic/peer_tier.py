@@ -35,6 +35,7 @@ class ElasticPeerTier:
                  load_state_dict: Callable[[dict], None], device_type: str = "cpu",
                  timeout: timedelta = timedelta(seconds=60), quorum_timeout: timedelta = timedelta(minutes=60),
                  training_step: Callable[[], int] = lambda: 0, num_groups: int = 0,
+                 position: Optional[Callable[[], int]] = None,
                  watch: Optional[WaitWatch] = None, replica_id: Optional[str] = None,
                  peer_timeout: timedelta = timedelta(seconds=120)) -> None:
         if group_id < 0 or min_groups < 1:
@@ -61,6 +62,7 @@ class ElasticPeerTier:
                                    replica_id=replica_id or f"group_{group_id}")
         self._registered = None
         self._training_step = training_step
+        self._position = position or training_step
 
     def _waiting(self, what: Callable[[], str]):
         return self._watch.waiting(what) if self._watch is not None else nullcontext()
@@ -88,9 +90,10 @@ class ElasticPeerTier:
         """Form this sync's quorum with the live groups (blocking: up to the quorum timeout;
         TooFewGroups, naming the missing groups, if fewer than the minimum came)."""
         start = time.perf_counter()
-        # torchft's step is the training step here: the groups furthest on are the quorum's
-        # source, any group behind them (restarted, slow, or resumed from an older checkpoint) heals
-        before = self._training_step()
+        # torchft's step is the training step here, then the syncs kept (healing.torchft_step): the
+        # groups furthest on are the quorum's source, any group behind them (restarted, slow, resumed
+        # from an older checkpoint, or one that voted down a sync the others committed) heals
+        before = self._position()
         self.manager.load_state_dict({"step": before, "batches_committed": self.manager.batches_committed()})
         first = not self.has_quorum
         if self.backend == "nccl":  # a source's shards are read on torchft's quorum thread and its own

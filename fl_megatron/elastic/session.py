@@ -15,8 +15,9 @@ from ..federation.failed_collective import is_failed_collective
 from ..federation.vote import GroupFigures
 from ..models import count_parameters
 from .groups import build_elastic_process_groups, join_tier
-from .healing import HealingState, MembershipLog, shard_digests
+from .healing import HealingState, MembershipLog, shard_digests, torchft_step
 from .signature import federation_signature
+from .start_wait import wait_for_every_slot
 
 
 class ElasticSession:
@@ -33,15 +34,28 @@ class ElasticSession:
 
     # --- set-up ---------------------------------------------------------------------------
     def process_groups(self, device_type: str, timeout: timedelta):
-        """This job's own groups, and torchft's tier to the other groups (joined here)."""
+        """This job's own groups; torchft's tier to the other groups is joined later, in `join`,
+        once the group can take part (its data, backend and checkpoint ready): a manager that
+        heartbeats earlier would make the live groups' syncs wait for a group that cannot come yet."""
         cfg = self.run.cfg
-        signature = federation_signature(self.run, count_parameters(cfg.model))
-        tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, device_type, timeout,
-                         self.healing.source, self.healing.receive, lambda: self.healing.step, signature,
-                         self.say, cfg.training.run_dir)
-        self.groups = build_elastic_process_groups(self.run.layout, self.env.rank, device_type, tier, timeout,
+        self._timeout = timeout
+        self.groups = build_elastic_process_groups(self.run.layout, self.env.rank, device_type, None, timeout,
                                                    async_checkpoint=cfg.checkpoint.async_save)
         return self.groups
+
+    def _join_tier(self) -> None:
+        """torchft's manager for this rank (collective over the job): from here on the lighthouse
+        hears this group."""
+        cfg = self.run.cfg
+        signature = federation_signature(self.run, count_parameters(cfg.model))
+        self.groups.elastic_tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size,
+                                             self.groups.device_type, self._timeout, self.healing.source,
+                                             self.healing.receive, lambda: self.healing.step, signature, self.say,
+                                             cfg.training.run_dir, self._position)
+
+    def _position(self) -> int:
+        """torchft's step for this group: its training step, then the syncs it kept."""
+        return torchft_step(self.healing.step, self.engine.committed_syncs)
 
     def links_probed(self) -> bool:
         """The start-up link probe and --fl-tune need the whole federation at once: not here."""
@@ -60,7 +74,10 @@ class ElasticSession:
         t = self.run.cfg.training
         self.members = MembershipLog(group, layout.num_groups,
                                      t.micro_batch_size * self.run.accumulation * layout.group_size)
-        self.say(f"  group {group}: meeting the live groups (lighthouse {self.run.cfg.federation.lighthouse})")
+        fed = self.run.cfg.federation
+        self._join_tier()
+        self._wait_for_every_slot(backend, group)
+        self.say(f"  group {group}: meeting the live groups (lighthouse {fed.lighthouse})")
         self.healing.at_start = True
         membership = self.groups.meet()
         self.healing.at_start = False
@@ -86,6 +103,19 @@ class ElasticSession:
             raise RuntimeError(f"group {group}: the sync it healed at (step {start_step}) was voted down; restarting")
         self.joined_sync = sync
         return start_step
+
+    def _wait_for_every_slot(self, backend, group: int) -> None:
+        """A fresh federation: the first rank waits (bounded) for every group slot to heartbeat
+        (start_wait.py), the group's other ranks for it."""
+        fed = self.run.cfg.federation
+        if fed.start_wait_seconds <= 0:
+            return
+        if self.env.job_rank == 0:
+            self.say(f"  group {group}: " + wait_for_every_slot(fed.lighthouse, fed.num_groups, group,
+                                                                fed.start_wait_seconds, self.say))
+        shards = backend.local_shards()
+        device = shards[0].device if shards else torch.device(self.groups.device_type)
+        dist.all_reduce(torch.zeros(1, device=device), group=self.groups.federation)
 
     def _start_barrier(self, backend) -> None:
         """One all-reduce over this rank's peers of the start-up quorum. A group behind fetches a

@@ -20,8 +20,9 @@ from ..config import ResolvedRun
 VERSION = "fl1"
 _SAFE = re.compile(r"[A-Za-z0-9.]{1,16}")
 # FederationConfig fields that are each group's own, or compared one by one below
-_OWN_OR_LISTED = {"group_id", "lighthouse", "quorum_timeout_minutes", "sync_digest", "link_probe", "elastic",
-                  "group_size", "hsdp_shard_size", "num_groups", "min_groups", "sync_interval", "fragments",
+_OWN_OR_LISTED = {"group_id", "lighthouse", "quorum_timeout_minutes", "start_wait_seconds", "sync_digest",
+                  "link_probe", "elastic", "group_size", "hsdp_shard_size", "num_groups", "min_groups", "sync_interval",
+                  "fragments",
                   "sync_dtype", "error_feedback", "outer_optimizer", "outer_lr", "outer_momentum", "inner_state"}
 _TRAINING_AGREED = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "weight_decay",
                     "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad", "grad_reduce_dtype")

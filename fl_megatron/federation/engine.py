@@ -58,6 +58,7 @@ class FederationEngine:
         self.results = ResultBuilder(groups, self.ledger, self.averaging.peer_tier, self.averaging.replica_tier)
         self.vote: Optional[Vote] = None  # the last sync's vote (sick groups, group figures, stop requests)
         self.last_synced_step = 0  # the last sync that averaged every fragment
+        self.committed_syncs = 0   # syncs kept (committed or landed): elastic groups that differ in it differ in state
 
     # --- what the engine is now ---------------------------------------------------------------
     @property
@@ -142,6 +143,7 @@ class FederationEngine:
         verdict = transaction.conclude(step, sums, self._device_of(done.shards))
         if not verdict.committed:
             return _after(landed, self.results.voted_down(step, start, membership))
+        self.committed_syncs += 1
         if len(done.moved) == self.state.fragments:
             self.last_synced_step = step
         if done.choice.graph != "none":
@@ -162,6 +164,7 @@ class FederationEngine:
         self.backend.refresh_after_sync()
         sums = metric_sums(stats, shards) if flight.consensus is None else None
         totals = OneWorldTransaction(self.groups).conclude(flight.step, sums, self._device_of(shards)).totals
+        self.committed_syncs += 1
         return self.results.build(flight.step, start, stats, Choice("complete"), flight.senders.sick, flight.consensus,
                                   self._reported((fragment,)), totals)
 

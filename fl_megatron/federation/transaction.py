@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..faults import commit_refused
 from .contract import ShardOwner
 from .failed_collective import PeerLatch, call_directly
 from .rollback import HostBackup, host_backup
@@ -87,6 +88,9 @@ class RollbackTransaction:
         if agreed[0] > 0:  # this rank's peers or a group mate's: the group votes the sync down
             self.groups.report_error(failed or RuntimeError(f"a rank of this group lost a peer in the sync of "
                                                             f"step {step}"))
+        elif commit_refused(self.groups.coords[0], step):  # a test's split commit (FL_MEGATRON_FAULT)
+            self.groups.report_error(RuntimeError(f"injected: group {self.groups.coords[0]} votes down the sync "
+                                                  f"of step {step}"))
         if not self.groups.commit():
             self.restore()
             return Verdict(False)

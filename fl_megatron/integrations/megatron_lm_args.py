@@ -38,7 +38,8 @@ REFUSED = {
                        "data-parallel all-reduce), so no group's own loss reaches the vote (groups with NaN/Inf "
                        "shards are still left out and reset)",
     **{name: _ELASTIC for name in ("elastic", "lighthouse", "group_id", "min_groups", "sync_digest",
-                                   "quorum_timeout_minutes", "peer_timeout_seconds")},
+                                   "quorum_timeout_minutes", "peer_timeout_seconds",
+                                   "start_wait_seconds")},
     **{f.name: _TUNE for f in dataclasses.fields(FederationConfig) if f.name == "link_probe" or f.name.startswith("tune")},
 }
 

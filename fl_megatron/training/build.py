@@ -4,6 +4,7 @@ the run's files and banner, the data, the groups (and in elastic mode the tier t
 groups), the link probe and tuner, the backend, the engine, the checkpointer and its resume, the
 meeting with the live groups, and the records."""
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -15,6 +16,7 @@ from ..checkpoint import Checkpointer
 from ..config import ResolvedRun
 from ..config.flags import config_to_json
 from ..federation import CommLedger, FederationEngine, ProcessGroups
+from ..faults import restart_delay_seconds
 from ..federation.contract import TrainingBackend
 from .checkpoint_policy import CheckpointPolicy
 from .console import batch_line, federation_line, say
@@ -80,6 +82,7 @@ def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
     checkpointer = Checkpointer(run, env.rank, backend, engine)
     tuning.attach(checkpointer, tune_state)
     start_step = checkpointer.resume(speak)
+    time.sleep(restart_delay_seconds(group))  # a test's slow start of a restarted group (FL_MEGATRON_FAULT)
     start_step = session.join(backend, engine, checkpointer.loaded, start_step)
     files.open_metrics(start_step)
     group_writer = run.layout.is_federated and groups.coords[1:] == (0, 0)  # each group's first rank
