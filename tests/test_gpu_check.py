@@ -80,10 +80,12 @@ def test_every_check_runs_command_lines_the_dry_run_accepts(tmp_path, monkeypatc
         seen.append((name, main(argv)))
         return subprocess.CompletedProcess(argv, 1, "", "dry run only")  # the check stops here
 
-    def dry_elastic(ctx, name, groups, *flags):
+    def dry_elastic(ctx, name, groups, *flags, min_groups=0, fault=""):
         """Each group's job, as tools/elastic_launch.py would start it, dry-run for its one rank."""
-        for command in multi_gpu.elastic_commands(ctx.work, name, groups, *flags)[1:]:
+        for command in multi_gpu.elastic_commands(ctx.work, name, groups, *flags, min_groups=min_groups,
+                                                  fault=fault)[1:]:
             assert command.env["FL_MEGATRON_DEVICE"] == "cuda" and command.env["CUDA_VISIBLE_DEVICES"]
+            assert command.env.get("FL_MEGATRON_FAULT", "") == fault
             argv = command.argv[command.argv.index("fl_megatron.pretrain") + 1:]
             seen.append((command.name, main([*argv, "--world-size", "1", "--dry-run"])))
         return {}  # the check stops here

@@ -59,6 +59,7 @@ CHECKS = [
                                                             "--fl-outer-optimizer", "nesterov", nproc=4), 60),
     Check("dead rank on NCCL", 2, multi_gpu.dead_rank, 240),
     Check("elastic, 2 groups' jobs on NCCL", 2, multi_gpu.elastic_sync, 240, ("torchft",)),
+    Check("elastic, a peer killed mid-sync on NCCL", 2, multi_gpu.elastic_peer_lost_mid_sync, 240, ("torchft",)),
 ]
 
 

@@ -35,28 +35,30 @@ def dead_rank(ctx) -> Outcome:
                    {"seconds_to_end": round(took, 1)})
 
 
-def elastic_commands(work, name: str, groups: int, *flags: str) -> list:
+def elastic_commands(work, name: str, groups: int, *flags: str, min_groups: int = 0, fault: str = "") -> list:
     """tools/elastic_launch.py's commands: a lighthouse, then one torchrun job of 1 rank per group
-    (every group needed for a sync), group g on the g-th visible GPU, on CUDA."""
+    (`min_groups` needed for a sync, default every group), group g on the g-th visible GPU, on
+    CUDA; `fault`: FL_MEGATRON_FAULT for every group."""
     sys.path.insert(0, str(ROOT / "tools"))
     import elastic_launch
 
-    commands = elastic_launch.elastic_commands(groups, 1, groups, [*SMALL, "--run-dir", str(work / name), *flags],
+    commands = elastic_launch.elastic_commands(groups, 1, min_groups or groups, [*SMALL, "--run-dir", str(work / name), *flags],
                                                lighthouse=f"127.0.0.1:{elastic_launch.free_port()}", max_restarts=0,
                                                python=sys.executable)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
     gpu = [visible[g] if len(visible) > g and visible[g] else str(g) for g in range(groups)]
-    env = {"FL_MEGATRON_DEVICE": "cuda", "FL_MEGATRON_CACHE": str(work / "cache")}
+    env = {"FL_MEGATRON_DEVICE": "cuda", "FL_MEGATRON_CACHE": str(work / "cache"),
+           **({"FL_MEGATRON_FAULT": fault} if fault else {})}
     return commands[:1] + [dataclasses.replace(c, env={**c.env, **env, "CUDA_VISIBLE_DEVICES": gpu[g]})
                            for g, c in enumerate(commands[1:])]
 
 
-def elastic(ctx, name: str, groups: int, *flags: str) -> dict:
+def elastic(ctx, name: str, groups: int, *flags: str, min_groups: int = 0, fault: str = "") -> dict:
     """Run elastic_commands(...) with tools/elastic_launch.py; {group name: exit code}, logs in
     work/name/launch/."""
     import elastic_launch  # on the path since elastic_commands
 
-    commands = elastic_commands(ctx.work, name, groups, *flags)
+    commands = elastic_commands(ctx.work, name, groups, *flags, min_groups=min_groups, fault=fault)
     return elastic_launch.run_elastic(commands, ctx.work / name / "launch", ctx.left(), {})
 
 
@@ -82,3 +84,27 @@ def elastic_sync(ctx) -> Outcome:
     ok = all(math.isfinite(r["loss"]) for rs in records for r in rs if "loss" in r)
     return Outcome("" if ok else "a loss is not finite")
 
+
+
+def elastic_peer_lost_mid_sync(ctx) -> Outcome:
+    """Elastic mode on NCCL, a peer killed inside a sync (after the vote, before data moves): NCCL
+    raises nothing, so group 0 must abort the sync by --fl-peer-timeout-seconds (torchft's timers
+    abort the quorum's communicator), vote it down and train on alone, without restarting."""
+    work, bound = ctx.work, 20
+    codes = elastic(ctx, "elastic-lost", 2, "--train-iters", "8", "--fl-sync-interval", "2", "--bf16",
+                    "--fl-peer-timeout-seconds", str(bound), min_groups=1, fault="kill:exchange:4:1")
+    if codes.get("group_0") != 0 or codes.get("group_1") == 0:
+        logs = sorted((work / "elastic-lost" / "launch").glob("group_*.log"))
+        last = [log.read_text().strip().splitlines()[-1:] for log in logs]
+        return Outcome(f"exit codes {codes} (group 0 must end 0, group 1 not): "
+                       f"{[line[0][:160] for line in last if line]}")
+    records = common.read_records(work / "elastic-lost" / "group_00000" / "metrics.jsonl")
+    syncs = {r["step"]: r for r in records if "groups" in r}
+    lost = syncs.get(4, {})
+    if lost.get("sync_committed") is not False:
+        return Outcome(f"the sync of step 4 was not voted down: {lost}")
+    if lost["sync_seconds"] > bound + 30:
+        return Outcome(f"the sync of step 4 took {lost['sync_seconds']:.0f} s, past the {bound} s bound")
+    if syncs.get(8, {}).get("groups") != [0]:
+        return Outcome(f"group 0 did not sync alone at step 8: {syncs.get(8)}")
+    return Outcome("", {"lost_sync_seconds": round(lost["sync_seconds"], 1)})
