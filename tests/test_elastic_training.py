@@ -14,6 +14,10 @@ groups meeting only at syncs (tools/elastic_launch.py).
   --fl-peer-timeout-seconds; the survivors vote the sync down and go on without restarting.
 - A split commit (one group votes a sync down, the others keep it) is repaired at the next meeting:
   the group behind heals from the others.
+- Every slow-link feature at once (nesterov, int8 + error feedback, 2 fragments, an overlapped sync,
+  averaged inner moments): a peer lost in the exchange of a launch; the survivors vote the landing
+  down, never restart, and all groups end identical; on fsdp2 with --async-save (DeepSpeed and
+  megatron in `make test-heavy`).
 - A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
@@ -212,6 +216,57 @@ def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp
     assert summaries[0]["elastic"]["failed_syncs"] == 1 == summaries[2]["elastic"]["failed_syncs"]
     final = [json.loads(line) for line in (_group_dir(run, 1) / "metrics.jsonl").read_text().splitlines()]
     assert final[-1]["step"] == steps and final[-1]["shard_digests"] == syncs[0][steps]["shard_digests"]
+
+
+# the slow-link mode every elastic feature must carry: an outer optimizer, int8 with error feedback,
+# fragments, an overlapped sync and averaged inner moments
+BEST_MODE = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback",
+             "--fl-fragments", "2", "--fl-overlap-steps", "1", "--fl-inner-state", "average")
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("deepspeed", marks=HEAVY),
+                                     pytest.param("megatron", marks=HEAVY)])
+def test_a_peer_lost_in_an_overlapped_fragment_sync_spares_the_others_and_all_end_identical(tmp_path, backend):
+    steps, run = 16, tmp_path / "run"
+    # H = 4 in 2 fragments: a fragment launches every 2 steps and lands 1 step later. Rank 1 of
+    # group 1 dies in the exchange of the launch after step 8: the survivors' exchange thread loses
+    # its peer, and at the landing (step 9) they vote the sync down
+    # fsdp2 also saves every 4 steps in the background (--async-save, fsdp2's own): group 1 restarts
+    # from its own newest published checkpoint (--load), of step 4 (8's was not staged yet), then heals
+    ckpt = str(tmp_path / "ckpt")
+    saving = ("--save", ckpt, "--load", ckpt, "--save-interval", "4", "--async-save") if backend == "fsdp2" else ()
+    _elastic(run, steps, min_groups=2, fault="kill:exchange:8:3," + PAUSE, max_restarts=1,
+             extra=BEST_MODE + ("--backend", backend) + saving)
+    if saving:
+        assert "(checkpoint of step 4 read)" in (run / "launch" / "group_1.log").read_text()
+        for g in range(3):
+            assert (tmp_path / "ckpt" / f"group_{g:05d}" / "latest_checkpointed_iteration.txt").read_text().strip() \
+                == str(steps)
+    syncs = [_syncs(run, g) for g in range(3)]  # an overlapped sync is recorded at its landing
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
+    # the sync launched at 8 lands at 9, or at once for the checkpoint of step 8 (fsdp2)
+    down = 8 if saving else 9
+    for g in (0, 2):  # the survivors never restarted
+        assert summaries[g]["first_step"] == 1 and summaries[g]["last_step"] == steps, summaries[g]
+        assert summaries[g]["elastic"]["healed_at_step"] is None
+        assert summaries[g]["elastic"]["failed_syncs"] == 1
+        assert syncs[g][down]["sync_committed"] is False and syncs[g][7]["fragments"] == [0]
+        # the voted-down landing restored the sync state (anchors, momentum, residuals) its launch
+        # saw, which the landing of step 7 had left; the next fragment sync changes it again
+        assert syncs[g][down]["sync_state_digests"] == syncs[g][7]["sync_state_digests"]
+        assert syncs[g][15]["sync_state_digests"] != syncs[g][down]["sync_state_digests"]
+    healed_at = summaries[1]["elastic"]["healed_at_step"]
+    assert healed_at is not None and healed_at >= 10, summaries[1]
+    # the heal turned the launch into a blocking sync of both fragments on every group; so is the
+    # last sync. After each, every group holds the same shards and the same averaged inner moments
+    # (between them, an overlapped landing leaves each group its own progress since the launch)
+    assert syncs[0][healed_at]["healed_groups"] == [1] == syncs[2][healed_at]["healed_groups"]
+    for step in (healed_at, steps):
+        assert syncs[0][step]["fragments"] == [0, 1] == syncs[2][step]["fragments"], syncs[0][step]
+        for key in ("shard_digests", "optimizer_digests"):
+            values = [syncs[g][step][key] for g in range(3)]
+            assert values[0] == values[1] == values[2], (step, key, values)
+    assert [s["last_step"] for s in summaries] == [steps] * 3
 
 
 def test_a_peer_that_hangs_in_a_sync_is_timed_out_and_the_survivors_go_on(tmp_path):

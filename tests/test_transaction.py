@@ -169,3 +169,51 @@ def test_a_voted_down_sync_leaves_everything_it_touched_as_before(sick_rank):
             assert kept[3]["inner"] != kept[2]["inner"]  # a kept sync averages the moments
         elif rank == sick_rank:
             assert "reset" in changed
+
+
+def _overlapped_rollback_rank(rank: int, world: int) -> list:
+    """Group `rank` of 2, with 2 fragments (one every 2 steps), an overlapped sync landing 1 step
+    after its launch and the moments averaged: landings at 3 and 7 voted down, 5 and 9 kept. For
+    each landing: (step, kept, what it saw just before, the sync state at its launch, after)."""
+    backend = MomentBackend(rank)
+    groups = _elastic_groups(dist.group.WORLD, [False, True, False, True])
+    groups.coords, groups.rank = (rank, 0, 0), rank
+    groups.federation = [dist.new_group([r]) for r in range(world)][rank]
+    groups.meet = lambda: whole_federation(2, rank)
+    groups.has_exchange_groups = lambda: True  # the test's world passes between the two threads
+    engine = FederationEngine(backend, groups, FederationConfig(
+        outer_optimizer="nesterov", sync_dtype="int8", error_feedback=True, sync_interval=4, fragments=2,
+        overlap_steps=1, inner_state="average"))
+    seen, at_launch = [], None
+    try:
+        for step in range(1, 10):
+            _train(backend, 0.05 * step * (rank + 1))
+            for moment in backend.inner_state_shards():  # the inner step moves the moments too
+                moment.add_(0.01 * step * (rank + 1))
+            before = _everything(backend, engine)
+            result = engine.after_step(step)
+            if step % 2 == 0:
+                at_launch = before["sync_state"]
+                assert result is None and engine.flight is not None
+            elif step > 1:  # a landing
+                seen.append((step, result.committed, before, at_launch, _everything(backend, engine)))
+    finally:
+        engine.close()
+    return seen
+
+
+def test_a_voted_down_overlapped_sync_keeps_the_steps_trained_since_its_launch():
+    """An overlapped fragment sync voted down at its landing: the shards and the inner moments are
+    as just before the landing (the step trained since the launch kept), the sync state (anchors,
+    momentum, and residuals its background exchange had changed) as at the launch; a kept landing
+    changes all three."""
+    for rank, seen in enumerate(run_ranks(2, _overlapped_rollback_rank, timeout=120)):
+        assert [(step, kept) for step, kept, *_ in seen] == [(3, False), (5, True), (7, False), (9, True)]
+        for step, kept, before, at_launch, after in seen:
+            if not kept:
+                assert after["shards"] == before["shards"] and after["inner"] == before["inner"], (rank, step)
+                assert after["sync_state"] == at_launch, (rank, step)
+                assert after["last_synced_step"] == before["last_synced_step"]
+            else:
+                assert after["shards"] != before["shards"] and after["inner"] != before["inner"], (rank, step)
+                assert after["sync_state"] != at_launch, (rank, step)

@@ -85,6 +85,11 @@ MUTATIONS = (
              "        if self.inner is not None:\n            self.backend.load_optimizer_transfer_state(self.inner)\n",
              "",
              ("tests/test_transaction.py::test_a_voted_down_sync_leaves_everything_it_touched_as_before",)),
+    Mutation("overlapped-rollback-loses-progress", "a voted-down overlapped landing keeps the merge, not the shards "
+             "trained since its launch", "fl_megatron/federation/landing.py",
+             "        stats = self.overlapper.result(flight.future, flight.averaged)\n        before_merge()\n",
+             "        stats = self.overlapper.result(flight.future, flight.averaged)\n",
+             ("tests/test_transaction.py::test_a_voted_down_overlapped_sync_keeps_the_steps_trained_since_its_launch",)),
     Mutation("rollback-keeps-new-outer-state", "a first sync voted down keeps the outer momentum it made",
              "fl_megatron/federation/outer.py",
              "            else:  # saved before any outer step: none since (a voted-down first sync made some)\n"

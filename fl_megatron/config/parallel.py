@@ -312,8 +312,9 @@ class FederationConfig:
         if not self.syncing:
             errors.append("tune picks how the groups sync: it needs sync_interval > 0 and syncing enabled")
         if self.elastic:
-            errors.append("tune does not run in elastic mode: its syncs are blocking and unfragmented, and a "
-                          "switched mode would have to reach groups that join later")
+            errors.append("tune does not run in elastic mode yet: its start-up link probe and its trial syncs need "
+                          "every group at once, and a switched mode would have to reach groups that join later; "
+                          "pick the mode by hand (e.g. int4 + error feedback, 2 fragments, overlap 1)")
         if self.topology != "complete":
             errors.append(f"tune picks among complete averages; topology={self.topology} mixes fp32 parameters "
                           "along a graph (leave out --fl-tune, or use topology complete)")
@@ -349,12 +350,6 @@ class FederationConfig:
             errors.append(f"min_groups={self.min_groups} exceeds num_groups={self.num_groups}")
         if not self.syncing:
             errors.append("elastic mode syncs the groups: sync_interval must be > 0 and syncing enabled")
-        if self.overlap_steps:
-            errors.append("elastic mode does not overlap syncs (overlap_steps): a sync in flight would span a "
-                          "change of membership, and a group that heals needs the landed average")
-        if self.fragments > 1:
-            errors.append("elastic mode syncs every fragment at once (fragments=1): a group that heals needs "
-                          "the average of every fragment, which would take N syncs")
         if self.dbench_metrics:
             errors.append("elastic mode does not measure DBench metrics (dbench_metrics) yet: their table is reduced "
                           "across groups after the exchange, where a sync that may be voted down keeps to its group")

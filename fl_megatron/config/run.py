@@ -137,10 +137,6 @@ class RunConfig:
     def _check_elastic(self) -> None:
         """What elastic mode does not do yet, named (the federation section checked the rest)."""
         problems = []
-        if self.parallel.backend == "megatron":
-            problems.append("backend megatron: a healing group receives the inner optimizer's state through the "
-                            "backend's transfer, which the megatron-core distributed optimizer lacks so far "
-                            "(use fsdp2 or deepspeed)")
         if (self.deepspeed or {}).get("scheduler") is not None:
             problems.append("a DeepSpeed 'scheduler' block: its state does not travel to a healing group, which "
                             "would then train at another learning rate; drop the block (fl-megatron's own "
@@ -151,9 +147,6 @@ class RunConfig:
             if c.save and every and every % h:
                 problems.append(f"--{name.replace('_', '-')} {every}: elastic checkpoints are taken right after a "
                                 f"sync, so it must be a multiple of --fl-sync-interval {h}")
-        if c.save and c.async_save:
-            problems.append("--async-save: an elastic checkpoint is written in the group's own directory right after "
-                            "a sync, synchronously (not built for background writes yet)")
         wait, timeout = self.federation.start_wait_seconds, self.parallel.distributed_timeout_minutes * 60
         if wait >= timeout:
             problems.append(f"--fl-start-wait-seconds {wait:g}: a group's other ranks wait for its first rank's wait "

@@ -12,7 +12,7 @@ from ..config.parallel import FederationConfig
 from ..federation.groups import ProcessGroups, build_process_groups
 from ..federation.membership import Membership
 from ..federation.transaction import RollbackTransaction
-from ..topology import Layout
+from ..topology import Layout, replica_groups
 from .peer_tier import ElasticPeerTier
 from .refusal import Refusal
 from .signature import Signature
@@ -26,6 +26,12 @@ class ElasticProcessGroups(ProcessGroups):
     calls `meet` before each sync and `commit` after it, as in one world."""
 
     elastic_tier: Optional[ElasticPeerTier] = None
+
+    def has_exchange_groups(self) -> bool:
+        """The quorum's peer group passes between the threads (the training thread leaves it
+        from an overlapped sync's launch to its landing, and torchft rebuilds it only at the next
+        meeting); the HSDP replica gathers need a group of their own (`exchange=True`)."""
+        return not self.layout.is_hsdp or self.exchange_replica is not None
 
     def transaction(self, backend, state) -> RollbackTransaction:
         """A sync the live groups may vote down: every rank restores what it had (transaction.py)."""
@@ -53,17 +59,22 @@ class ElasticProcessGroups(ProcessGroups):
 
 
 def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, tier: Optional[ElasticPeerTier],
-                                 timeout: Optional[timedelta] = None,
-                                 async_checkpoint: bool = False) -> ElasticProcessGroups:
-    """This job's groups (collective over the job) for federation rank `rank` of `layout`."""
+                                 timeout: Optional[timedelta] = None, async_checkpoint: bool = False,
+                                 exchange: bool = False) -> ElasticProcessGroups:
+    """This job's groups (collective over the job) for federation rank `rank` of `layout`.
+    `exchange`: also the HSDP replica group of an overlapped sync's background exchange."""
     if dist.get_world_size() != layout.group_size:
         raise ValueError(f"elastic mode: this job has {dist.get_world_size()} ranks but a federation group has "
                          f"{layout.group_size}; launch one group per job")
     local = Layout(layout.group_size, min(layout.ranks_per_node, layout.group_size), layout.group_size,
                    layout.shard_size)
     own = build_process_groups(local, device_type, timeout, async_checkpoint=async_checkpoint)
+    exchange_replica = None
+    if exchange and local.is_hsdp:
+        exchange_replica, _ = dist.new_subgroups_by_enumeration(replica_groups(local), timeout=timeout)
     return ElasticProcessGroups(layout=layout, rank=rank, mesh=own.mesh, shard_mesh=own.shard_mesh,
-                                federation=own.federation, checkpoint=own.checkpoint, elastic_tier=tier)
+                                federation=own.federation, checkpoint=own.checkpoint,
+                                exchange_replica=exchange_replica, elastic_tier=tier)
 
 
 def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: str, timeout: timedelta,

@@ -29,7 +29,7 @@ class ElasticSession:
         self.healing = HealingState()
         self.members: Optional[MembershipLog] = None
         self.joined_sync: Optional[SyncResult] = None  # the sync this group healed at, before its first step
-        self.sync_fields: dict = {}  # who met at the last sync: the fields its records carry
+        self.sync_fields: dict = {}  # who met at the step's syncs, by sync step: the fields their records carry
         self.groups = self.engine = self.backend = None
 
     # --- set-up ---------------------------------------------------------------------------
@@ -40,7 +40,8 @@ class ElasticSession:
         cfg = self.run.cfg
         self._timeout = timeout
         self.groups = build_elastic_process_groups(self.run.layout, self.env.rank, device_type, None, timeout,
-                                                   async_checkpoint=cfg.checkpoint.async_save)
+                                                   async_checkpoint=cfg.checkpoint.async_save,
+                                                   exchange=cfg.federation.overlap_steps > 0)
         return self.groups
 
     def _join_tier(self) -> None:
@@ -133,15 +134,18 @@ class ElasticSession:
 
     # --- during training --------------------------------------------------------------------
     def at_step(self, done: int) -> None:
-        """Optimizer step `done` finished: the position a healing group would receive."""
+        """Optimizer step `done` finished: the position a healing group would receive (the
+        records of the previous step's syncs are written by now)."""
         self.healing.step = done
+        self.sync_fields = {}
 
     def after_sync(self, sync: SyncResult) -> None:
-        """Who met at `sync`: console lines and the fields its records carry."""
+        """Who met at `sync` (a blocking sync, or an overlapped one at its landing): console lines and
+        the fields its records carry (kept until the next step's syncs)."""
         fields, lines = self.members.after_sync(sync, self.healing)
         if self.run.cfg.federation.sync_digest:
             fields.update(self._digests())
-        self.sync_fields = fields
+        self.sync_fields[sync.step] = fields
         for line in lines:
             self.say(line)
 
@@ -165,7 +169,7 @@ class ElasticSession:
 
     def record_fields(self, sync: Optional[SyncResult]) -> dict:
         """The membership fields of a federation record (of a sync step)."""
-        return self.sync_fields if sync is not None else {}
+        return self.sync_fields.get(sync.step, {}) if sync is not None else {}
 
     # --- what this group's job reports alone ------------------------------------------------
     def evaluation_share(self) -> tuple[int, int]:

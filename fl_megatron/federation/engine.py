@@ -29,7 +29,6 @@ from .overlap import Overlapper
 from .result import ResultBuilder, SyncResult, metric_sums
 from .schedule import sync_due
 from .sync_state import AveragerSettings, SyncState
-from .transaction import OneWorldTransaction
 from .vote import GroupFigures, Senders, Vote, take_vote
 
 
@@ -124,19 +123,23 @@ class FederationEngine:
         return _after(landed, self.sync(step, figures, full=last or full))
 
     def sync(self, step: int, figures: Optional[GroupFigures] = None, full: bool = True,
-             voted: bool = False, membership: Optional[Membership] = None) -> SyncResult:
+             voted: Optional[Senders] = None, membership: Optional[Membership] = None,
+             transaction=None) -> SyncResult:
         """Sync now (collective over all ranks, but only ever inside a federation group or a peer
         group): meet, vote, exchange (over all groups or, unless `full`, along this sync's graph),
         commit or roll back, report. Groups whose shards hold NaN/Inf (or whose loss is past
         --fl-sick-loss-ratio times the best group's) are left out of a full average and reset to the
-        others'; AllGroupsSick if no group is left. `voted`: the vote of this step was taken already
-        (a launch that turned into a blocking sync). `membership`: the quorum met already (a group
-        healing at start-up)."""
+        others'; AllGroupsSick if no group is left. A group healing at this sync makes it average
+        every fragment on every group (the vote tells all of them). `voted`, `membership`,
+        `transaction`: a launch that turned into a blocking sync (it met, began and voted already);
+        `membership` alone: a group healing at start-up (it met already)."""
         landed = self.land() if self.flight is not None else None
         start = time.perf_counter()
         membership = membership or self.groups.meet()
-        transaction = self.groups.transaction(self.backend, self.state)
-        transaction.begin()
+        if transaction is None:
+            transaction = self.groups.transaction(self.backend, self.state)
+            transaction.begin()
+        transaction.keep_shards()
         done = self._exchange(step, figures, full, voted, membership, self._peers(membership, transaction.peer_call),
                               transaction.keep_inner_state)
         sums = metric_sums(done.stats, done.shards if self.state.outers else None) if done.consensus is None else None
@@ -153,20 +156,27 @@ class FederationEngine:
                                                  tuple(self.vote.joining)))
 
     def land(self) -> SyncResult:
-        """Wait for the sync in flight and merge it (a checkpoint calls this before saving). An
-        overlapped sync runs in one world only: its metrics are agreed over the job."""
+        """Wait for the sync in flight and merge it (a checkpoint calls this before saving), then
+        commit it or, in elastic mode, roll it back as a blocking sync would: the shards as they
+        were just before the merge (the steps trained since the launch kept), the sync state as
+        at the launch. Either way the groups that met at its launch decide, before the next meeting."""
         start = time.perf_counter()
-        fragment = self.flight.fragment
+        flight = self.flight
+        fragment, transaction = flight.fragment, flight.transaction
         shards = self.backend.local_shards()
-        flight, stats = self.overlapped.land(self.state.outers[fragment], self.state.views(shards)[fragment])
+        flight, stats = self.overlapped.land(self.state.outers[fragment], self.state.views(shards)[fragment],
+                                             before_merge=transaction.keep_shards)
         settle_inner_state(self.config.inner_state, self.backend, self.state.state_averager, stats, flight.senders,
-                           flight.peers, self.groups.coords[0] in flight.senders.sick, fragment, self.state.fragments)
+                           flight.peers, self.groups.coords[0] in flight.senders.sick, fragment, self.state.fragments,
+                           transaction.keep_inner_state)
         self.backend.refresh_after_sync()
         sums = metric_sums(stats, shards) if flight.consensus is None else None
-        totals = OneWorldTransaction(self.groups).conclude(flight.step, sums, self._device_of(shards)).totals
+        verdict = transaction.conclude(flight.step, sums, self._device_of(shards))
+        if not verdict.committed:
+            return self.results.voted_down(flight.step, start, flight.membership)
         self.committed_syncs += 1
         return self.results.build(flight.step, start, stats, Choice("complete"), flight.senders.sick, flight.consensus,
-                                  self._reported((fragment,)), totals)
+                                  self._reported((fragment,)), verdict.totals, flight.membership)
 
     # --- the stages -----------------------------------------------------------------------------
     def _peers(self, membership: Membership, call=call_directly) -> Peers:
@@ -183,13 +193,13 @@ class FederationEngine:
                               self._device_of(shards), peers.call)
         return Senders.of(self.vote, membership.groups, group, vote_failed=has_failed(peers.call))
 
-    def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: bool,
+    def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: Optional[Senders],
                   membership: Membership, peers: Peers, keep_inner_state: Callable[[], None]) -> Exchanged:
         """The vote and the exchange of a blocking sync (every cross-group collective of it), in place."""
         shards = self.backend.local_shards()
         group, num_groups = self.groups.coords[0], self.groups.layout.num_groups
-        if voted:
-            senders = Senders.voted_already(self.vote, num_groups, group)
+        if voted is not None:
+            senders = voted
         else:
             if membership.healed:  # this group took a live group's state in the quorum: it receives only
                 figures = GroupFigures(healing=True)
@@ -198,24 +208,30 @@ class FederationEngine:
         _slowed_link(step)
         consensus = self._measure() if self.config.measures_consensus else None
         choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(senders.sick))
-        fragments = tuple(range(self.state.fragments)) if full or senders.sick else (self._due_fragment(step),)
+        every = full or senders.sick or self.vote.joining  # a healing group takes every fragment
+        fragments = tuple(range(self.state.fragments)) if every else (self._due_fragment(step),)
         context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups, keep_inner_state)
         return exchange(self.state, self.backend, shards, context, consensus)
 
     def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:
-        """Start a sync in the background (--fl-overlap-steps): it lands K steps later. With
-        fragments, a sick group is reset at once instead, by a blocking sync of every fragment."""
+        """Start a sync in the background (--fl-overlap-steps): it lands K steps later, and is
+        committed or voted down there (elastic mode). A sick group with fragments, or a group
+        healing at this meeting, turns it into a blocking sync of every fragment at once, on every
+        group (the vote says so to all)."""
         shards = self.backend.local_shards()
         membership = self.groups.meet()
-        peers = self._peers(membership)
+        transaction = self.groups.transaction(self.backend, self.state)
+        transaction.begin()
+        peers = self._peers(membership, transaction.peer_call)
         senders = self._vote(step, shards, figures, membership, peers)
-        if senders.sick and self.state.fragments > 1:
-            return self.sync(step, figures, full=True, voted=True)
+        if self.vote.joining or (senders.sick and self.state.fragments > 1):
+            return self.sync(step, figures, full=True, voted=senders, membership=membership, transaction=transaction)
+        kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
         consensus = self._measure() if self.config.measures_consensus else None
         fragment = self._due_fragment(step)
         self.overlapped.launch(step, step + self.config.overlap_steps, self.state.averagers[fragment],
                                self.state.outers[fragment], self.state.views(shards)[fragment], senders, peers,
-                               consensus, fragment, before_exchange=lambda: _slowed_link(step))
+                               consensus, fragment, membership, transaction, before_exchange=lambda: _slowed_link(step))
         return None
 
     def _due_fragment(self, step: int) -> int:
@@ -244,7 +260,7 @@ class FederationEngine:
         self.state = self.state.switched(self.config.with_mode(mode), self.backend.local_shards())
 
     def _check_exchange_groups(self, what: str) -> None:
-        if self.averaging.peer is self.groups.peer:
+        if not self.groups.has_exchange_groups():
             raise ValueError(f"{what} needs the exchange's own process groups: "
                              "build_process_groups(..., exchange=True)")
 

@@ -57,6 +57,11 @@ class ProcessGroups:
         mine = next(g for g in lists if self.rank in g)
         return "inter-node" if spans_nodes(self.layout, mine) else "intra-node"
 
+    def has_exchange_groups(self) -> bool:
+        """Whether a sync's exchange can run in the background: on communicators the training
+        thread never uses (built with `exchange=True`)."""
+        return self.exchange_peer is not None
+
     # --- membership: the same calls in one world and in elastic mode (elastic.groups) -------
     def transaction(self, backend, state) -> OneWorldTransaction:
         """How a blocking sync ends (transaction.py): in one world it always stands."""

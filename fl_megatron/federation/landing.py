@@ -23,6 +23,7 @@ import torch
 
 from .averaging import Peers, ShardAverager, SyncStats
 from .consensus import Consensus
+from .membership import Membership
 from .outer import OuterOptimizer
 from .overlap import Overlapper
 from .vote import Senders
@@ -41,6 +42,8 @@ class InFlight:
     peers: Peers
     consensus: Optional[Consensus] = None  # DBench metrics measured at launch
     fragment: int = 0         # the fragment in flight (--fl-fragments)
+    membership: Optional[Membership] = None  # the groups that met at launch
+    transaction: object = None  # how it ends at landing (transaction.py): commit, or a rollback
 
 
 class OverlappedSyncs:
@@ -59,9 +62,11 @@ class OverlappedSyncs:
     @torch.no_grad()
     def launch(self, step: int, due: int, averager: ShardAverager, outer: OuterOptimizer, shards: list,
                senders: Senders, peers: Peers, consensus: Optional[Consensus], fragment: int,
+               membership: Optional[Membership] = None, transaction=None,
                before_exchange: Callable[[], None] = lambda: None) -> None:
         """Start averaging the pseudo-gradients (anchor - shard) of `shards` across groups; it lands
-        at step `due`. `before_exchange` runs in the thread first (a test's slowed link)."""
+        at step `due`. `membership`, `transaction`: who met at launch and how the sync ends (both
+        kept for the landing). `before_exchange` runs in the thread first (a test's slowed link)."""
         if self.flight is not None:
             raise RuntimeError(f"an overlapped sync of step {self.flight.step} is still in flight")
         own = [s.clone() for s in shards]
@@ -76,15 +81,18 @@ class OverlappedSyncs:
             return stats
 
         self.flight = InFlight(step, due, self.thread().submit(average, averaged), averaged, own, senders, peers,
-                               consensus, fragment)
+                               consensus, fragment, membership, transaction)
 
     @torch.no_grad()
-    def land(self, outer: OuterOptimizer, shards: list) -> tuple[InFlight, SyncStats]:
+    def land(self, outer: OuterOptimizer, shards: list,
+             before_merge: Callable[[], None] = lambda: None) -> tuple[InFlight, SyncStats]:
         """Wait for the sync in flight and merge it into `shards` (its fragment): step the outer
         optimizer with the averaged pseudo-gradients, then shard <- shard + own - old anchor + new
-        anchor (a left-out group takes the new anchor)."""
+        anchor (a left-out group takes the new anchor). `before_merge`: called once the exchange
+        is done, before anything changes (a sync that may be voted down keeps the shards)."""
         flight, self.flight = self.flight, None
         stats = self.overlapper.result(flight.future, flight.averaged)
+        before_merge()
         include = flight.senders.include
         if include:
             for shard, own, anchor in zip(shards, flight.own, outer.anchors):

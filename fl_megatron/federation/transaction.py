@@ -39,6 +39,9 @@ class OneWorldTransaction:
     def begin(self) -> None:
         """Before the sync's first collective: nothing to keep."""
 
+    def keep_shards(self) -> None:
+        """Before the sync changes the shards: nothing to keep."""
+
     def keep_inner_state(self) -> None:
         """Before the sync changes the inner optimizer's state: nothing to keep."""
 
@@ -71,8 +74,14 @@ class RollbackTransaction:
         return self.latch
 
     def begin(self) -> None:
-        self.backup = host_backup(self.backend.local_shards(), self.state.state_tensors())
+        """Before the sync's first collective (an overlapped sync's launch): the sync state."""
+        self.backup = host_backup(self.state.state_tensors())
         self.inner = None
+
+    def keep_shards(self) -> None:
+        """Before the sync changes the shards (a blocking sync: at once; an overlapped one: at its
+        landing, after the steps trained meanwhile)."""
+        self.backup.keep_shards(self.backend.local_shards())
 
     def keep_inner_state(self) -> None:
         """Before the sync averages or resets the inner optimizer's state (--fl-inner-state

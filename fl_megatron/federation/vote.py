@@ -117,9 +117,3 @@ class Senders:
                                 "diverged loss): nothing is left to average; stopping without saving")
         return Senders(tuple(vote.sick), group not in left_out,
                        contributors if contributors != len(members) else None)
-
-    @staticmethod
-    def voted_already(vote: Vote, num_groups: int, group: int) -> "Senders":
-        """A launch that turned into a blocking sync at the same step: its vote stands."""
-        sick = tuple(vote.sick)
-        return Senders(sick, group not in sick, num_groups - len(sick) if sick else None)

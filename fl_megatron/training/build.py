@@ -91,7 +91,8 @@ def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
     records = RunRecords(files, Dashboards(t, cfg.to_dict(), is_writer))
     reporter = Reporter(run, files, records, ledger, engine, session, group, is_writer, group_writer, env.device,
                         env.job_world_size)
-    checkpoints = CheckpointPolicy(checkpointer, engine, cfg.checkpoint, t.train_iters, phases, reporter, tuning, speak)
+    checkpoints = CheckpointPolicy(checkpointer, engine, cfg.checkpoint, t.train_iters, phases, reporter, tuning, speak,
+                                   session)
     return RunParts(run, env, phases, files, train_source, valid_samples, session, groups, tuning, backend, ledger,
                     engine, checkpointer, start_step, reporter, checkpoints, TrafficMeter(groups, ledger))
 

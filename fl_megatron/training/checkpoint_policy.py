@@ -13,8 +13,8 @@ class CheckpointPolicy:
     """The save decisions of one rank's loop (every rank decides the same)."""
 
     def __init__(self, checkpointer: Checkpointer, engine, options, train_iters: int, phases: PhaseTracker,
-                 reporter, tuning, say: Callable[[str], None]) -> None:
-        self.checkpointer, self.engine, self.options = checkpointer, engine, options
+                 reporter, tuning, say: Callable[[str], None], session) -> None:
+        self.checkpointer, self.engine, self.options, self.session = checkpointer, engine, options, session
         self.train_iters, self.phases, self.reporter, self.tuning, self.say = train_iters, phases, reporter, tuning, say
 
     def after_step(self, done: int, stopped: Optional[str], lr: float) -> None:
@@ -26,8 +26,9 @@ class CheckpointPolicy:
                                (options.save_interval and done % options.save_interval == 0)):
             self.phases.enter("checkpoint-write", done)
             if self.engine.flight is not None:  # a sync in flight lands before the save; it is recorded
-                landed = self.engine.land()
+                landed = self.engine.land()  # (elastic: committed or voted down here)
                 self.tuning.saw_landing(landed)
+                self.session.after_sync(landed)
                 self.reporter.landing(done, landed, lr, "landed_for_checkpoint")
             path = self.checkpointer.save(done)
             if self.checkpointer.pending is None:

@@ -100,6 +100,7 @@ class Reporter:
         federation record of its own."""
         record = step_record(done, self.run.tokens_per_step, self.elapsed(), None, None, lr, None, sync,
                              self.ledger.snapshot())
+        record = {**record, **self.session.record_fields(sync)}
         self.log({**{k: v for k, v in record.items() if v is not None}, why: True})
 
     def _log_federation(self, record: dict, sync: Optional[SyncResult], eta: float) -> None:

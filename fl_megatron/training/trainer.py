@@ -104,6 +104,8 @@ class Trainer:
         if lockstep():  # the coupled loop, for the benchmark's "before" row
             dist.all_reduce(torch.zeros(2, device=self.device))
         if sync is not None:
+            if sync.landed is not None:  # an overlapped sync that landed first, at this step
+                self.session.after_sync(sync.landed)
             self.session.after_sync(sync)
             if sync.sick_groups:
                 say(f"  step {done}: federation group(s) {', '.join(map(str, sync.sick_groups))} left out of the "
