@@ -11,7 +11,8 @@ sys.path.insert(0, str(TOOLS))
 
 import bench_cluster  # noqa: E402
 from cluster_bench.failures import (HEAL_SLACK_S, default_kill, federated_count, heal_expectation,  # noqa: E402
-                                    last_sync_before, markdown, one_world_count, plan_problems, table_rows)
+                                    last_sync_before, markdown, one_world_count, plan_problems, ratio_checks,
+                                    table_rows)
 
 
 def test_last_sync_before_a_kill_in_the_forward_backward():
@@ -141,3 +142,19 @@ def test_stranded_watch_names_groups_left_without_a_quorum_after_the_grace():
     assert "group(s) [1] still wait for a quorum of 2 groups 60 s" in watch.check([0, None, 0], 80.0)
     assert watch.check([0, 0, 0], 200.0) is None             # all done
     assert watch.check([0, None, 0], 201.0) is None          # the grace starts anew
+
+
+def test_ratio_checks_divide_the_named_runs_goodputs_against_their_goals():
+    def run(setup, faulted, goodput):
+        return {"setup": setup, "faulted": faulted, "goodput": goodput}
+    results = [run("one-world", False, 1000.0), run("elastic", False, 980.0), run("elastic-best", False, 2000.0),
+               run("elastic-best", True, 1790.0), run("torchft", True, 1400.0), run("torchft", False, 1500.0)]
+    checks = {(c["setup"], c["bound"]): c for c in ratio_checks(results)}
+    kept, over, fp32 = checks[("elastic-best", 0.9)], checks[("elastic-best", 1.3)], checks[("elastic-fp32", 0.97)]
+    assert kept["ratio"] == pytest.approx(0.895) and not kept["ok"]       # 1790 / 2000
+    assert over["ratio"] == pytest.approx(1790 / 1400) and not over["ok"]  # 1.279
+    assert fp32["ratio"] == pytest.approx(0.98) and fp32["ok"]
+    results[3]["goodput"] = 1820.0
+    assert all(c["ok"] for c in ratio_checks(results))                    # 0.91 and 1.3
+    # a setup that was not run gives no check
+    assert [c["setup"] for c in ratio_checks(results[:2])] == ["elastic-fp32"]

@@ -15,14 +15,17 @@ and PNG plots to --out.
 --failure-compare replaces the rows by a failure comparison: one federation group per node, one
 rank SIGKILLed in the forward-backward of --kill-step (default: the middle of the second sync
 interval; --kill-rank, a federation rank, default rank 1 of group 1) in (a) one-world FL+FSDP saving
-a checkpoint every sync, relaunched with --load after the job failed, (b) elastic FL+FSDP
-(--fl-elastic, torchrun --max-restarts 1 per group, the killed group heals from the live ones) and
-(c) torchft LocalSGD (torchrun --max-restarts 1, the restarted group heals at the next sync), each
-beside its fault-free run: wall time to the last step and goodput (tokens of the steps that survived
-per second of the whole run: (a) counts every step once, redone steps included once; (b) and (c)
-leave out the killed group's steps from its last sync to its heal), with the ratio to the
-fault-free run, and a check that (b) lost at most the killed group's steps since its last sync plus
-one heal (exit code 3 when that is not met). tools/cluster_bench/failures.py explains the counting.
+a checkpoint every sync, relaunched with --load after the job failed, (b) elastic FL+FSDP fp32
+(--fl-elastic, torchrun --max-restarts 1 per group, the killed group heals from the live ones),
+(b') elastic FL+FSDP in its best mode (int4 + error feedback, 2 fragments, overlap 1), (c) torchft
+LocalSGD and (c') torchft DiLoCo (torchrun --max-restarts 1, the restarted group heals at the next
+sync), each beside its fault-free run: wall time to the last step and goodput (tokens of the steps
+that survived per second of the whole run: (a) counts every step once, redone steps included once;
+the others leave out the killed group's steps from its last sync to its heal), with the ratio to
+the fault-free run; checks that (b) lost at most the killed group's steps since its last sync plus
+one heal, that (b') keeps >= 0.9 of its fault-free goodput and makes >= 1.3x (c)'s under the kill,
+and that fault-free (b) makes >= 0.97x fault-free (a) (exit code 3 when an elastic check is not
+met). tools/cluster_bench/failures.py explains the counting.
 Writes bench.json and bench.md to --out (default runs/bench-cluster-failures):
 
   python tools/bench_cluster.py --failure-compare --nodes 3 --ranks-per-node 2 --steps 24 \\
@@ -220,6 +223,10 @@ def _main(argv=None) -> int:
     return 0
 
 
+# elastic FL in its best mode on slow links (int4 + error feedback, 2 fragments, overlap 1)
+BEST_ELASTIC = ("--fl-sync-dtype", "int4", "--fl-error-feedback", "--fl-fragments", "2", "--fl-overlap-steps", "1")
+
+
 def failure_comparison(args) -> "failures.Comparison":
     """The failure comparison's setups from the arguments: FL+FSDP in groups of one node's ranks
     (the fl-fsdp row's flags) for one-world and elastic, the torchft-localsgd row's for torchft."""
@@ -229,7 +236,9 @@ def failure_comparison(args) -> "failures.Comparison":
         steps=args.steps, sync_interval=args.sync_interval, kill_step=args.kill_step, kill_rank=args.kill_rank,
         ranks_per_node=args.ranks_per_node, timeout=args.timeout, relaunch_delay=args.relaunch_delay,
         fl_flags=(*common_flags(args), *rows["fl-fsdp"].flags(), *node),
-        peer_flags=(*common_flags(args), *rows["torchft-localsgd"].flags(), *node))
+        peer_flags=(*common_flags(args), *rows["torchft-localsgd"].flags(), *node),
+        best_flags=BEST_ELASTIC if args.sync_interval % 2 == 0 else ("--fl-sync-dtype", "int4", "--fl-error-feedback"),
+        diloco_flags=("--algorithm", "diloco"))
 
 
 def _failure_compare(args, argv, out: Path) -> int:
@@ -248,6 +257,7 @@ def _failure_compare(args, argv, out: Path) -> int:
                  "last_sync_before_kill": failures.last_sync_before(args.kill_step, args.sync_interval),
                  "relaunch_delay": args.relaunch_delay, "cluster_mode": cluster.mode, "note": cluster.note,
                  "fl_flags": list(comparison.fl_flags), "peer_flags": list(comparison.peer_flags),
+                 "best_flags": list(comparison.best_flags), "diloco_flags": list(comparison.diloco_flags),
                  "lighthouse": {"join_timeout_ms": failures.JOIN_TIMEOUT_MS,
                                 "heartbeat_timeout_ms": failures.HEARTBEAT_TIMEOUT_MS},
                  "command": shlex.join([Path(sys.argv[0]).name if argv is None else "bench_cluster.py",
@@ -257,7 +267,7 @@ def _failure_compare(args, argv, out: Path) -> int:
     for check in checks:
         print(f"{'OK' if check['ok'] else 'NOT MET'}: {check['setup']}: {check['text']}")
     print(f"wrote {json_path} and {md_path}")
-    return 0 if all(c["ok"] for c in checks if c["setup"] == "elastic") else 3
+    return 0 if all(c["ok"] for c in checks if c["setup"].startswith("elastic")) else 3
 
 
 def _measure_row(cluster, args, row: Row, run_dir: Path, rate, compute_s: float) -> dict:

@@ -2,8 +2,9 @@
 
 One rank is SIGKILLed in the forward-backward of the same step (FL_MEGATRON_FAULT=
 kill:forward-backward:STEP:RANK, RANK a federation rank = group * group size + rank in group) in
-three setups on the emulated cluster, one federation group (replica group) per node, each beside
-its own fault-free run:
+five setups on the emulated cluster, one federation group (replica group) per node, each beside
+its own fault-free run (elastic-best: the elastic setup with int4 + error feedback, 2 fragments and
+overlap 1; torchft-diloco: the torchft setup with DiLoCo's outer step):
 
   one-world  fl_megatron.pretrain as one job (FL+FSDP, --fl-group-size = ranks per node) saving a
              checkpoint at every sync (--save-interval H). The kill fails the job; it is relaunched
@@ -54,10 +55,18 @@ from pathlib import Path
 from cluster_bench.bench_report import header_lines
 from cluster_bench.cluster_jobs import run_job
 
-SETUPS = ("one-world", "elastic", "torchft")
-LABELS = {"one-world": "(a) one-world FL+FSDP, --save every sync, relaunch --load",
-          "elastic": "(b) elastic FL+FSDP (--fl-elastic), torchrun --max-restarts 1",
-          "torchft": "(c) torchft LocalSGD, torchrun --max-restarts 1"}
+SETUPS = ("one-world", "elastic", "elastic-best", "torchft", "torchft-diloco")
+LABELS = {"one-world": "(a) one-world FL+FSDP fp32, --save every sync, relaunch --load",
+          "elastic": "(b) elastic FL+FSDP fp32 (--fl-elastic), torchrun --max-restarts 1",
+          "elastic-best": "(b') elastic FL+FSDP, int4 + EF, 2 fragments, overlap 1",
+          "torchft": "(c) torchft LocalSGD, torchrun --max-restarts 1",
+          "torchft-diloco": "(c') torchft DiLoCo, torchrun --max-restarts 1"}
+# setups run fault-free only, and why: the row says so
+NO_KILL = {"torchft-diloco": "not run under the kill: this harness's torchft peer heals a restarted group for "
+                             "LocalSGD only (it does not hand over DiLoCo's outer state)"}
+BEST_KEPT = 0.9         # elastic in its best mode keeps this share of its fault-free goodput under the kill
+BEST_OVER_TORCHFT = 1.3  # ... and makes this many times torchft LocalSGD's goodput under the same kill
+ELASTIC_OVER_ONE_WORLD = 0.97  # fault-free elastic fp32 against fault-free one-world fp32
 JOIN_TIMEOUT_MS = 60000      # lighthouse: above the time a restart takes (docs/failures.md)
 HEARTBEAT_TIMEOUT_MS = 2000  # lighthouse: a silent group counts as gone after this
 HEAL_SLACK_S = 2.0           # the heal's transfer and scheduling noise on top of one interval
@@ -186,6 +195,8 @@ def write_outputs(out: Path, setup: dict, results: list[dict], checks: list[dict
              f"(its last sync: step {setup['last_sync_before_kill']}); goodput = tokens of surviving steps / wall "
              "time (tools/cluster_bench/failures.py)", "", table, ""]
     lines += [f"- {'OK' if c['ok'] else 'NOT MET'}: {c['setup']}: {c['text']}" for c in checks]
+    ran = {r["setup"] for r in results}
+    lines += [f"- {LABELS[setup]}: {why}" for setup, why in NO_KILL.items() if setup in ran]
     md_path.write_text("\n".join(lines) + "\n")
     return json_path, md_path, table
 
@@ -417,8 +428,11 @@ def elastic_result(run: dict, steps: int, sync_interval: int, kill_step: int | N
         own = [r for r in syncs[kill_group] if r["step"] == healed_at and "heal_s" in r]
         heal_s = own[0]["heal_s"] if own else None
         times = {r["step"]: r["elapsed_s"] for r in syncs[live[0]] if "elapsed_s" in r} if live else {}
-        if healed_at in times and healed_at - sync_interval in times:
-            interval_s = times[healed_at] - times[healed_at - sync_interval]
+        # one sync interval of the live groups before the heal (an overlapped sync is recorded at its
+        # landing: the last record at least H steps before the heal)
+        before = [step for step in times if step <= healed_at - sync_interval]
+        if healed_at in times and before:
+            interval_s = times[healed_at] - times[max(before)]
     whole = all(summaries[g]["first_step"] == 1 and summaries[g]["last_step"] == steps for g in live)
     heals = summaries[live[0]]["elastic"].get("healed", 0) if live else 0
     ok, text = heal_expectation(kill_step, sync_interval, healed_at, heal_s, interval_s, whole, heals)
@@ -452,6 +466,9 @@ class Comparison:
     peer_flags: tuple        # torchft peer flags
     timeout: float = 1200.0
     relaunch_delay: float = 0.0
+    best_flags: tuple = ()   # the elastic setup in its best mode: fl_flags and these
+    diloco_flags: tuple = ()  # torchft DiLoCo: peer_flags and these
+    setups: tuple = SETUPS
 
     @property
     def fault(self) -> str:
@@ -496,12 +513,34 @@ def one_world_check(run: dict, c: Comparison) -> dict:
     return {"setup": "one-world", "ok": ok, "text": text}
 
 
+def ratio_checks(results: list[dict]) -> list[dict]:
+    """The goodput ratios the issue of elastic mode asks for, where both runs were made."""
+    got = {(r["setup"], r["faulted"]): r["goodput"] for r in results}
+    checks = []
+
+    def check(setup: str, num: tuple, den: tuple, bound: float, what: str) -> None:
+        if num in got and den in got and got[den] > 0:
+            value = got[num] / got[den]
+            checks.append({"setup": setup, "ok": value >= bound, "ratio": value, "bound": bound,
+                           "text": f"{what}: {value:.3f} (goal >= {bound:g})"})
+
+    check("elastic-best", ("elastic-best", True), ("elastic-best", False), BEST_KEPT,
+          "elastic in its best mode keeps this share of its fault-free goodput under the kill")
+    check("elastic-best", ("elastic-best", True), ("torchft", True), BEST_OVER_TORCHFT,
+          "elastic in its best mode under the kill, against torchft LocalSGD under the same kill")
+    check("elastic-fp32", ("elastic", False), ("one-world", False), ELASTIC_OVER_ONE_WORLD,
+          "fault-free elastic fp32 against fault-free one-world fp32")
+    return checks
+
+
 def compare(cluster, c: Comparison, out: Path, say=print) -> tuple[list[dict], list[dict]]:
     """Every setup fault-free, then with the kill; returns (results, checks)."""
     say(f"  warm-up (data caches): {warm_up(cluster, c, out):.1f} s")
     results, checks = [], []
-    for setup in SETUPS:
-        for faulted in (False, True):
+    for setup in c.setups:
+        if setup in NO_KILL:
+            say(f"  {LABELS[setup]}: {NO_KILL[setup]}")
+        for faulted in (False,) if setup in NO_KILL else (False, True):
             fault = c.fault if faulted else None
             run_dir = out / setup / ("kill" if faulted else "fault-free")
             kill = c.kill_step if faulted else None
@@ -509,17 +548,23 @@ def compare(cluster, c: Comparison, out: Path, say=print) -> tuple[list[dict], l
                 run = run_one_world(cluster, c.ranks_per_node, list(c.fl_flags), run_dir, c.sync_interval, c.timeout,
                                     fault, c.relaunch_delay)
                 result, check = one_world_result(run, c.steps, kill), one_world_check(run, c) if faulted else None
-            elif setup == "elastic":
-                run = run_elastic(cluster, c.ranks_per_node, list(c.fl_flags), run_dir, c.timeout, fault)
+            elif setup in ("elastic", "elastic-best"):
+                flags = [*c.fl_flags, *(c.best_flags if setup == "elastic-best" else ())]
+                run = run_elastic(cluster, c.ranks_per_node, flags, run_dir, c.timeout, fault)
                 result, check = elastic_result(run, c.steps, c.sync_interval, kill)
+                if check is not None:
+                    check["setup"] = setup
             else:
-                run = run_torchft_setup(cluster, c.ranks_per_node, list(c.peer_flags), run_dir, c.timeout, fault)
+                flags = [*c.peer_flags, *(c.diloco_flags if setup == "torchft-diloco" else ())]
+                run = run_torchft_setup(cluster, c.ranks_per_node, flags, run_dir, c.timeout, fault)
                 result, check = torchft_result(run, c.steps, c.sync_interval, kill), \
                     torchft_check(run, c) if faulted else None
+                if check is not None:
+                    check["setup"] = setup
             results.append({"setup": setup, "faulted": faulted, "run_dir": str(run_dir), **result})
             if check:
                 checks.append(check)
             say(f"  {LABELS[setup]}, {'kill' if faulted else 'fault-free'}: {result['wall_s']:.1f} s, "
                 f"{result['tokens']:,} tokens counted, goodput {result['goodput']:,.0f} tok/s"
                 + (f" ({result['note']})" if result.get("note") else ""))
-    return results, checks
+    return results, checks + ratio_checks(results)
