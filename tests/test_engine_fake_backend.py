@@ -50,6 +50,7 @@ def _groups(world, rank: int = 0):
                              tier=lambda kind: "inter-node", device_type="cpu",
                              all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
     groups.transaction = lambda backend, state: OneWorldTransaction(groups)
+    groups.has_exchange_groups = lambda: groups.exchange_peer is not None  # as ProcessGroups says
     return groups
 
 
