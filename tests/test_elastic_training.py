@@ -324,9 +324,11 @@ def test_a_group_leaves_for_good_and_a_new_one_joins_a_running_federation(tmp_pa
     steps, run = 16, tmp_path / "run"
     # 4 group slots. Group 1 is killed in step 6 and not restarted (its job exits for good). Group 3
     # starts about 25 s late, while groups 0 and 2 run towards step 10, where they pause long
-    # enough for it to come up: it joins at the first sync after it started.
+    # enough for it to come up: it joins at the first sync after it started. The fresh start waits
+    # 10 s for every slot (not the default 120 s, which would hold the others for group 3).
     _elastic(run, steps, min_groups=2, groups=4, start_delays=((3, 25),), failing=(1,),
-             fault="kill:forward-backward:6:3,delay:0:10:30,delay:2:10:30")
+             fault="kill:forward-backward:6:3,delay:0:10:30,delay:2:10:30",
+             extra=("--fl-start-wait-seconds", "10"))
     syncs = {g: _syncs(run, g) for g in (0, 2, 3)}
     summaries = {g: json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in (0, 2, 3)}
     joined_at = summaries[3]["elastic"]["healed_at_step"]
