@@ -320,6 +320,42 @@ def test_a_split_commit_is_repaired_at_the_next_meeting(tmp_path):
 
 
 @HEAVY
+def test_fl_tune_agrees_in_the_vote_and_a_restarted_group_heals_into_the_chosen_mode(tmp_path):
+    """--fl-tune in elastic mode. Every sync's exchange sleeps a second (a slow link), so the first
+    choice, at the second sync (step 8, once the first sync showed the links), leaves blocking fp32.
+    Each group chooses from its own figures; the vote takes group 0's. Rank 1 of group 1 is then
+    killed in step 10; its restarted job starts in the flags' mode (fp32, H 4), takes the chosen mode
+    with its heal, and syncs as the others do from there on."""
+    steps, run = 20, tmp_path / "run"
+    _elastic(run, steps, min_groups=2, max_restarts=1, extra=("--fl-tune", "--fl-inner-state", "average"),
+             fault="slow-sync:1.0@1,kill:forward-backward:10:3,delay:0:13:25,delay:2:13:25")
+    records = {g: _records(_group_dir(run, g) / "metrics.jsonl") for g in range(3)}
+    decisions = {g: [r for r in records[g] if "tune" in r] for g in range(3)}
+    first = {g: decisions[g][0] for g in range(3)}
+    assert [first[g]["step"] for g in range(3)] == [8, 8, 8]
+    assert all(first[g]["tune"]["reason"].startswith("first choice, from the measured step time and the links "
+                                                     "the first syncs showed") for g in range(3)), first
+    chosen = first[0]["tune"]["label"]
+    assert first[0]["tune"]["switched"] is True and chosen != "fp32, H 4"
+    for g in (1, 2):  # its own choice held, or it was outvoted by group 0's
+        assert first[g]["tune"]["label"] == chosen or first[g]["tune"]["outvoted_by"] == chosen, first[g]
+    summaries = {g: json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)}
+    for g in (0, 2):
+        assert summaries[g]["first_step"] == 1 and summaries[g]["elastic"]["healed_at_step"] is None
+    healed_at = summaries[1]["elastic"]["healed_at_step"]
+    assert 10 < healed_at < steps and summaries[1]["first_step"] == healed_at + 1
+    log = (run / "launch" / "group_1.log").read_text()
+    assert f"syncing in their mode: {chosen}" in log, log[-3000:]
+    syncs = {g: _syncs(run, g) for g in range(3)}
+    after = {g: [(t, syncs[g][t].get("fragments")) for t in sorted(syncs[g]) if t > healed_at] for g in range(3)}
+    assert after[0] == after[1] == after[2], after  # the same syncs (steps, fragments) as the others
+    for t in (healed_at, steps):  # the heal's sync and the last one average everything: identical bytes
+        assert syncs[0][t]["shard_digests"] == syncs[1][t]["shard_digests"] == syncs[2][t]["shard_digests"], t
+        assert syncs[0][t]["optimizer_digests"] == syncs[1][t]["optimizer_digests"] == \
+            syncs[2][t]["optimizer_digests"], t
+
+
+@HEAVY
 def test_a_group_leaves_for_good_and_a_new_one_joins_a_running_federation(tmp_path):
     steps, run = 16, tmp_path / "run"
     # 4 group slots. Group 1 is killed in step 6 and not restarted (its job exits for good). Group 3

@@ -311,10 +311,10 @@ class FederationConfig:
             return errors
         if not self.syncing:
             errors.append("tune picks how the groups sync: it needs sync_interval > 0 and syncing enabled")
-        if self.elastic:
-            errors.append("tune does not run in elastic mode yet: its start-up link probe and its trial syncs need "
-                          "every group at once, and a switched mode would have to reach groups that join later; "
-                          "pick the mode by hand (e.g. int4 + error feedback, 2 fragments, overlap 1)")
+        if self.elastic and self.tune_max_sync_interval not in (None, self.sync_interval):
+            errors.append(f"tune_max_sync_interval={self.tune_max_sync_interval}: in elastic mode tune keeps "
+                          f"sync_interval={self.sync_interval}, on which each group's checkpoints and exits and a "
+                          "restarted group's heal are placed (leave --fl-tune-max-sync-interval out)")
         if self.topology != "complete":
             errors.append(f"tune picks among complete averages; topology={self.topology} mixes fp32 parameters "
                           "along a graph (leave out --fl-tune, or use topology complete)")

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..config.sync_mode import SyncMode
 from ..federation import SyncResult
 
 
@@ -38,6 +39,7 @@ class HealingState:
     source_at_start: bool = False  # the state this process healed from was sent by a group at start-up
     backend: object = None
     engine: object = None
+    tuner: object = None  # --fl-tune's SyncTuner, or None
 
     def source(self) -> dict:
         """This rank's state for rank k of a healing group. torchft calls it on its quorum thread
@@ -45,19 +47,26 @@ class HealingState:
         return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
                 "at_start": self.at_start, "committed_syncs": self.engine.committed_syncs,
                 "shards": self.backend.local_shards(), "optimizer": self.backend.optimizer_transfer_state(),
+                "mode": self.engine.mode.fields(), "tune": self.tuner.state() if self.tuner is not None else None,
                 "engine": self.engine.state_tensors()}
 
     @torch.no_grad()
     def receive(self, state: dict) -> None:
         """Take a live rank's `source` (on the main thread, inside the quorum): shards, optimizer
-        state, outer anchors and state; error-feedback residuals start at zero."""
+        state, the sync mode the live groups are in (--fl-tune may have switched it), outer anchors
+        and state, the tuner's state; error-feedback residuals start at zero."""
         shards = self.backend.local_shards()
         if [tuple(s.shape) for s in shards] != [tuple(s.shape) for s in state["shards"]]:
             raise ValueError("the shards received for healing do not match this rank's shard layout")
         for shard, value in zip(shards, state["shards"]):
             shard.copy_(value)
         self.backend.load_optimizer_transfer_state(state["optimizer"])
+        mode = SyncMode.from_fields(state["mode"])
+        if mode != self.engine.mode:  # before the engine's state, which is cut as that mode cuts it
+            self.engine.switch_mode(mode)
         self.engine.load_state_tensors(state["engine"])
+        if self.tuner is not None and state.get("tune") is not None:
+            self.tuner.load_state(state["tune"])
         self.engine.forget_residuals()  # the sender keeps carrying its own compression error
         self.engine.committed_syncs = state["committed_syncs"]
         self.backend.refresh_after_sync()

@@ -41,7 +41,7 @@ class ElasticSession:
         self._timeout = timeout
         self.groups = build_elastic_process_groups(self.run.layout, self.env.rank, device_type, None, timeout,
                                                    async_checkpoint=cfg.checkpoint.async_save,
-                                                   exchange=cfg.federation.overlap_steps > 0)
+                                                   exchange=cfg.federation.overlap_steps > 0 or cfg.federation.tune)
         return self.groups
 
     def _join_tier(self) -> None:
@@ -58,18 +58,20 @@ class ElasticSession:
         """torchft's step for this group: its training step, then the syncs it kept."""
         return torchft_step(self.healing.step, self.engine.committed_syncs)
 
-    def links_probed(self) -> bool:
-        """The start-up link probe and --fl-tune need the whole federation at once: not here."""
-        return False
+    def link_probe_scope(self) -> Optional[str]:
+        """With --fl-tune, the group's own links ("group"): the groups meet only at syncs, so the
+        links between them are measured there (training/tuning.py); without it no probe (None)."""
+        fed = self.run.cfg.federation
+        return "group" if fed.tune and fed.link_probe else None
 
-    def join(self, backend, engine, loaded: int, start_step: int) -> int:
+    def join(self, backend, engine, loaded: int, start_step: int, tuner=None) -> int:
         """Meet the live groups; returns the step to start from. At a fresh start every group is at
         step 0 and nothing moves; a restarted or new group waits for the live groups' next sync,
         heals there from them (shards, inner optimizer state, the engine's state, the step) and
         takes part in that sync as a receiver (kept in `joined_sync`). `loaded`: the step of the
-        checkpoint this group read (0: none)."""
+        checkpoint this group read (0: none); `tuner`: --fl-tune's, whose state a heal carries."""
         self.backend, self.engine = backend, engine
-        self.healing.backend, self.healing.engine = backend, engine
+        self.healing.backend, self.healing.engine, self.healing.tuner = backend, engine, tuner
         self.healing.step = self.healing.last_sync = start_step
         layout, group = self.run.layout, self.groups.coords[0]
         t = self.run.cfg.training
@@ -98,7 +100,8 @@ class ElasticSession:
             return start_step
         start_step = self.healing.step
         self.say(f"  group {group}: healed from the live groups at step {start_step} in "
-                 f"{membership.seconds:.2f} s ({read} read)")
+                 f"{membership.seconds:.2f} s ({read} read)"
+                 + (f"; syncing in their mode: {engine.mode.label()}" if fed.tune else ""))
         sync = engine.sync(start_step, GroupFigures(healing=True), full=True, membership=membership)
         if not sync.committed:
             raise RuntimeError(f"group {group}: the sync it healed at (step {start_step}) was voted down; restarting")

@@ -207,24 +207,26 @@ class FederationEngine:
         kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
         _slowed_link(step)
         consensus = self._measure() if self.config.measures_consensus else None
-        choice = self.schedule.choose(consensus.relative if consensus else 0.0, full=full or bool(senders.sick))
-        every = full or senders.sick or self.vote.joining  # a healing group takes every fragment
+        choice = self.schedule.choose(consensus.relative if consensus else 0.0,
+                                      full=full or bool(senders.sick) or self.switch_voted())
+        # a healing group takes every fragment; a switch of mode agreed in the vote needs them all
+        every = full or senders.sick or self.vote.joining or self.switch_voted()
         fragments = tuple(range(self.state.fragments)) if every else (self._due_fragment(step),)
         context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups, keep_inner_state)
         return exchange(self.state, self.backend, shards, context, consensus)
 
     def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:
         """Start a sync in the background (--fl-overlap-steps): it lands K steps later, and is
-        committed or voted down there (elastic mode). A sick group with fragments, or a group
-        healing at this meeting, turns it into a blocking sync of every fragment at once, on every
-        group (the vote says so to all)."""
+        committed or voted down there (elastic mode). A sick group with fragments, a group healing
+        at this meeting, or a switch of mode agreed in the vote turns it into a blocking sync of
+        every fragment at once, on every group (the vote says so to all)."""
         shards = self.backend.local_shards()
         membership = self.groups.meet()
         transaction = self.groups.transaction(self.backend, self.state)
         transaction.begin()
         peers = self._peers(membership, transaction.peer_call)
         senders = self._vote(step, shards, figures, membership, peers)
-        if self.vote.joining or (senders.sick and self.state.fragments > 1):
+        if self.vote.joining or self.switch_voted() or (senders.sick and self.state.fragments > 1):
             return self.sync(step, figures, full=True, voted=senders, membership=membership, transaction=transaction)
         kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
         consensus = self._measure() if self.config.measures_consensus else None
@@ -233,6 +235,11 @@ class FederationEngine:
                                self.state.outers[fragment], self.state.views(shards)[fragment], senders, peers,
                                consensus, fragment, membership, transaction, before_exchange=lambda: _slowed_link(step))
         return None
+
+    def switch_voted(self) -> Optional[SyncMode]:
+        """The mode the last vote agreed to switch to after its sync (elastic --fl-tune), or None."""
+        choice = self.vote.tune_choice if self.vote is not None else None
+        return choice if choice is not None and choice != self.mode else None
 
     def _due_fragment(self, step: int) -> int:
         """The fragment a scheduled sync after `step` moves (0 without fragments)."""

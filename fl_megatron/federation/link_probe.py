@@ -164,24 +164,30 @@ def overlap_interference(exchange_group, group, device: torch.device, bytes_per_
 
 
 def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple = (),
-                overlap_group=None) -> LinkProbe:
+                overlap_group=None, across_groups: bool = True) -> LinkProbe:
     """Probe the peer group and the federation group (every rank calls this at the same point);
-    with `overlap_group` (the exchange's own peer communicator) also the overlap's interference."""
+    with `overlap_group` (the exchange's own peer communicator) also the overlap's interference.
+    `across_groups` False (elastic mode: the groups meet only at syncs): the federation group and
+    the codec alone, agreed inside the group; the links between groups are left to the syncs."""
     start = time.perf_counter()
     layout = groups.layout
 
     def agree(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        groups.all_reduce_job(t, op=dist.ReduceOp.MAX)
+        if across_groups:
+            groups.all_reduce_job(t, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.federation)
         return float(t)
 
     fed_ranks = federation_groups(layout)[groups.coords[0]]
-    timings = [probe_group("peer", groups.peer, layout.num_groups, groups.tier("peer"), device, agree),
-               probe_group("federation", groups.federation, layout.group_size,
-                           "inter-node" if spans_nodes(layout, fed_ranks) else "intra-node", device, agree)]
+    timings = [probe_group("peer", groups.peer, layout.num_groups, groups.tier("peer"), device, agree)] \
+        if across_groups else []
+    timings.append(probe_group("federation", groups.federation, layout.group_size,
+                               "inter-node" if spans_nodes(layout, fed_ranks) else "intra-node", device, agree))
     codec = {dtype: agree(s) for dtype, s in codec_seconds(device, codec_dtypes).items()}
     interference = 0.0
-    if overlap_group is not None and layout.num_groups > 1:
+    if overlap_group is not None and across_groups and layout.num_groups > 1:
         peer = timings[0]
         rate = peer.payload_bytes / max(peer.payload_seconds - peer.small_seconds, 1e-9)
         fed = groups.federation if layout.group_size > 1 else None

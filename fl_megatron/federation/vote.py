@@ -5,6 +5,8 @@ Two tiny all-reduces (MAX): inside the federation group (its ranks' flags), then
 group (one rank of every group), so every rank of the job ends with the same vote and no
 collective spans the job. Each group fills its own slots of the peer vector; the others hold
 -inf, so MAX gathers the groups' figures (in elastic mode the slots of absent groups stay -inf).
+In elastic mode --fl-tune's choice rides here too: each group brings the mode it chose, and the
+lowest-numbered group that chose one decides for all who met.
 """
 
 import math
@@ -14,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..config.sync_mode import PRECISIONS, SyncMode
 from .failed_collective import call_directly
 
 
@@ -34,6 +37,7 @@ class GroupFigures:
     signalled: bool = False             # this rank received SIGTERM (--exit-signal-handler)
     timed_out: bool = False             # this rank is past --exit-duration-in-mins
     healing: bool = False               # the group took the live groups' state at this quorum (elastic)
+    tune_choice: Optional[SyncMode] = None  # the mode --fl-tune chose at this sync (elastic: agreed in the vote)
 
 
 @dataclass
@@ -47,6 +51,24 @@ class Vote:
     signalled: bool = False   # some rank received SIGTERM
     timed_out: bool = False   # some rank is past its time limit
     joining: list = field(default_factory=list)  # groups that healed at this quorum: they receive only
+    tune_choice: Optional[SyncMode] = None  # the lowest-numbered group's --fl-tune choice, if any group chose
+
+
+MODE_SLOTS = 5  # a SyncMode as numbers: precision, error feedback, overlap, fragments, interval
+
+
+def _mode_slots(mode: Optional[SyncMode]) -> list[float]:
+    if mode is None:
+        return [-math.inf] * MODE_SLOTS
+    return [float(PRECISIONS.index(mode.sync_dtype)), float(mode.error_feedback), float(mode.overlap_steps),
+            float(mode.fragments), float(mode.sync_interval)]
+
+
+def _slots_mode(values: list[float]) -> Optional[SyncMode]:
+    if values[0] == -math.inf:
+        return None
+    dtype, feedback, overlap, fragments, interval = (int(v) for v in values)
+    return SyncMode(PRECISIONS[dtype], overlap, fragments, interval, bool(feedback))
 
 
 def any_nonfinite(shards: list[torch.Tensor]) -> bool:
@@ -76,15 +98,18 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's. The
     collective over the peer group goes through `peer_call` (elastic mode: the sync's PeerLatch)."""
     mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
-                         float(figures.healing), float(figures.signalled), float(figures.timed_out)],
-                        dtype=torch.float64, device=device_type)
+                         float(figures.healing), *_mode_slots(figures.tune_choice), float(figures.signalled),
+                         float(figures.timed_out)], dtype=torch.float64, device=device_type)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
-    table = torch.full((4 * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
-    table[[group, num_groups + group, 2 * num_groups + group, 3 * num_groups + group]] = mine[:4]
-    table[4 * num_groups:] = mine[4:]
+    per_group = 4 + MODE_SLOTS  # slots each group fills, one block of num_groups per figure
+    table = torch.full((per_group * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
+    table[[k * num_groups + group for k in range(per_group)]] = mine[:per_group]
+    table[per_group * num_groups:] = mine[per_group:]
     peer_call(dist.all_reduce, table, op=dist.ReduceOp.MAX, group=peer_group)
     values = table.tolist()
-    bad, losses, norms, healing = (values[k * num_groups:(k + 1) * num_groups] for k in range(4))
+    bad, losses, norms, healing, *modes = (values[k * num_groups:(k + 1) * num_groups] for k in range(per_group))
+    chosen = (_slots_mode([m[g] for m in modes]) for g in range(num_groups))
+    tune_choice = next((mode for mode in chosen if mode is not None), None)
     sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
     known = {g: v for g, v in enumerate(losses) if v != -math.inf}
     if loss_ratio > 0:
@@ -94,7 +119,7 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
             sick |= {g for g, v in known.items() if g not in sick and v > loss_ratio * best}
     shown = lambda v: None if v == -math.inf else v  # noqa: E731
     return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
-                values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0])
+                values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0], tune_choice)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
     session = _session(run, env, speak)
     groups = session.process_groups(env.device.type, timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     group = groups.coords[0]
-    tuning, tune_state, mode = start_tuning(run, session.links_probed(), groups, files, env.device, speak)
+    tuning, tune_state, mode = start_tuning(run, session.link_probe_scope(), groups, files, env.device, speak)
     backend = make_backend(run, groups, env.device, initial_values_for(run, say if is_writer else None))
     ledger = CommLedger()
     engine = FederationEngine(backend, groups, cfg.federation, ledger, mode)
@@ -83,7 +83,7 @@ def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
     tuning.attach(checkpointer, tune_state)
     start_step = checkpointer.resume(speak)
     time.sleep(restart_delay_seconds(group))  # a test's slow start of a restarted group (FL_MEGATRON_FAULT)
-    start_step = session.join(backend, engine, checkpointer.loaded, start_step)
+    start_step = session.join(backend, engine, checkpointer.loaded, start_step, tuning.tuner)
     files.open_metrics(start_step)
     group_writer = run.layout.is_federated and groups.coords[1:] == (0, 0)  # each group's first rank
     if group_writer:

@@ -30,12 +30,13 @@ class OneWorldSession:
                                            async_checkpoint=cfg.checkpoint.async_save)
         return self.groups
 
-    def links_probed(self) -> bool:
-        """Whether the start-up link probe may run: a federated run that syncs, unless turned off."""
+    def link_probe_scope(self) -> Optional[str]:
+        """What the start-up link probe covers: every tier ("job") in a federated run that syncs,
+        unless turned off (None)."""
         fed = self.run.cfg.federation
-        return self.run.layout.is_federated and fed.syncing and fed.link_probe
+        return "job" if self.run.layout.is_federated and fed.syncing and fed.link_probe else None
 
-    def join(self, backend, engine, loaded: int, start_step: int) -> int:
+    def join(self, backend, engine, loaded: int, start_step: int, tuner=None) -> int:
         """Every group starts together: the step to start from is the one resumed."""
         return start_step
 

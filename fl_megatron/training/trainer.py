@@ -93,11 +93,13 @@ class Trainer:
         if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
             figures = self._group_figures(done, loss, norm)
         self.phases.enter("sync", done)
-        switch = self.tuning.decide(done, self.engine.mode, voting, last)
+        choice = self.tuning.decide(done, self.engine.mode, voting, last)
+        full = self.tuning.ask(choice, figures)
         try:
-            sync = self.engine.after_step(done, last=last, loss=loss, figures=figures, full=switch is not None)
+            sync = self.engine.after_step(done, last=last, loss=loss, figures=figures, full=full)
         except TooFewGroups as e:  # every rank of the group waited out the same quorum: the step stands
             return StepOutcome(loss, norm, lr, None, figures, e)
+        switch = self.tuning.agreed(self.engine, sync, choice, done, voting)
         decision = self.tuning.after_sync(self.engine, sync, switch)
         if decision is not None:
             self.reporter.log(decision)

@@ -6,6 +6,13 @@ every fragment and blocks, then the engine switches mode (docs/sync-modes.md, "L
 Every rank decides the same: the figures a decision uses are the slowest rank's of the job
 (reduced inside the group, then over the peer group, at a sync step where the groups meet
 anyway), and the rule is a pure function of them.
+
+In elastic mode (`by_vote`) the groups meet only inside a sync, through torchft: each group
+decides from its own figures (agreed inside the group), its choice rides on the sync's vote and
+the lowest-numbered group's choice holds for every group that met (vote.py). No link between
+groups is probed at the start: the first choice comes at the second sync, once the first one's
+exchange has shown what the links carry. A group that joins later takes the mode and the tuner's
+state with the rest of its heal.
 """
 
 import dataclasses
@@ -37,8 +44,9 @@ class SyncTuner:
     after every step and sync; `state`/`load_state` go with checkpoints."""
 
     def __init__(self, run: ResolvedRun, groups: ProcessGroups, probe: LinkProbe, say: Callable[[str], None],
-                 device: torch.device) -> None:
+                 device: torch.device, by_vote: bool = False) -> None:
         self.run, self.groups, self.say, self.device = run, groups, say, device  # device: the rank's own
+        self.by_vote = by_vote  # elastic mode: agreed inside the group, then in the sync's vote
         fed = run.cfg.federation
         self.bounds = TuneBounds(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval,
                                  fed.tune_overlap, fed.tune_max_fragments, run.cfg.cluster.device_memory_gib * 2**30)
@@ -80,7 +88,7 @@ class SyncTuner:
         shard = sum(s.numel() for s in engine.backend.local_shards())
         agreed = torch.tensor([self.peer_bytes_per_s * typical / wire_bytes_per_element(dtype), shard],
                               dtype=torch.float64, device=self.device)
-        self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
+        self._agree(agreed)
         link_worth, largest_shard = agreed.tolist()
         elements = int(min(max(link_worth, 1 << 16), 1 << 25, largest_shard))
         self.trial_info = {"step": step, "elements": elements, "sync_dtype": dtype}
@@ -112,10 +120,12 @@ class SyncTuner:
         measured_steps = self.step_seconds[WARMUP_STEPS:] or self.step_seconds
         if not measured_steps:
             return None
+        if self.by_vote and not self.decided and not self.sync_seconds:
+            return None  # the links between groups are known from a sync's exchange only
         baseline = statistics.median(measured_steps)
         agreed = torch.tensor([baseline, statistics.median(self.sync_seconds) if self.sync_seconds else 0.0,
                                self._interference(baseline)], dtype=torch.float64, device=self.device)
-        self.groups.all_reduce_job(agreed, op=dist.ReduceOp.MAX)
+        self._agree(agreed)
         step_s, sync_s, interference = agreed.tolist()
         interference_from = "the link probe's compute loop" \
             if self.measured.overlap_interference and not self.decided else None
@@ -127,6 +137,11 @@ class SyncTuner:
         reason = "first choice, from the probed links and the measured step time"
         if self.decided:
             reason = self._recheck(step_s, sync_s, now)
+        elif self.by_vote:
+            seen = self._recheck(step_s, sync_s, now)
+            if seen is None:
+                return None
+            reason = f"first choice, from the measured step time and the links the first syncs showed ({seen})"
         self.syncs_since_check, self.sync_seconds = 0, []
         if reason is None:
             return None
@@ -134,7 +149,8 @@ class SyncTuner:
         choice = self._choose(step_s)
         mode = choice.chosen.mode
         change = mode != now
-        self.say(f"  fl-tune at step {step}: {reason}; " + ("switching to " if change else "keeping ")
+        verb = ("choosing " if change else "keeping ") if self.by_vote else ("switching to " if change else "keeping ")
+        self.say(f"  fl-tune at step {step}: {reason}; " + verb
                  + choice.text() + f"\n    (to pin it by hand: {' '.join(mode.flags())})")
         self.last_record = {"step": step, "tune": {
             "reason": reason, "mode": mode.fields(), "label": mode.label(), "flags": mode.flags(), "switched": change,
@@ -146,7 +162,25 @@ class SyncTuner:
             **({"overlap_interference_from": interference_from} if interference_from else {}),
             "inter_node_gbps": self.cluster.inter_node_gbps,
             "intra_node_gbps": self.cluster.intra_node_gbps}}
-        return mode if change else None
+        return mode if change or self.by_vote else None
+
+    def _agree(self, figures: torch.Tensor) -> None:
+        """The slowest rank's `figures` (MAX): of the job, or in elastic mode of the group."""
+        if self.by_vote:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.groups.federation)
+        else:
+            self.groups.all_reduce_job(figures, op=dist.ReduceOp.MAX)
+
+    def outvoted(self, adopted: Optional[SyncMode], chose: SyncMode) -> None:
+        """Elastic mode: the vote did not take this group's choice `chose` (another group's
+        `adopted` holds, or the sync was voted down: None). A lost first choice is taken again."""
+        if adopted is None and self.last_record is not None and self.last_record["tune"]["reason"].startswith("first"):
+            self.decided = False
+        if self.last_record is not None:
+            self.last_record["tune"]["switched"] = False
+            self.last_record["tune"]["outvoted_by"] = adopted.label() if adopted is not None else "a voted-down sync"
+        self.say(f"  fl-tune: this group's choice ({chose.label()}) did not hold: "
+                 + (f"the vote took {adopted.label()}" if adopted is not None else "the sync was voted down"))
 
     def _recheck(self, step_s: float, sync_s: float, now: SyncMode) -> Optional[str]:
         """Why to choose again, or None. The measured exchange time against the one predicted for

@@ -22,6 +22,11 @@ class TuningHook:
     def __init__(self, tuner: Optional[SyncTuner]) -> None:
         self.tuner = tuner
 
+    @property
+    def by_vote(self) -> bool:
+        """Whether the groups agree on a choice in the sync's vote (elastic mode)."""
+        return self.tuner is not None and self.tuner.by_vote
+
     def attach(self, checkpointer, state: dict) -> None:
         """Save the tuner's state with every checkpoint, and continue from a resumed one's."""
         if self.tuner is not None:
@@ -42,10 +47,37 @@ class TuningHook:
             self.tuner.observe_step(seconds)
 
     def decide(self, done: int, mode: SyncMode, voting: bool, last: bool) -> Optional[SyncMode]:
-        """At a due sync (not the last): a new mode to switch to after it, or None."""
+        """At a due sync (not the last): a new mode to switch to after it, or None. In elastic
+        mode: this group's choice (possibly the mode it is in), for the vote (`ask`)."""
         if self.tuner is None or not voting or last:
             return None
         return self.tuner.decide(done, mode)
+
+    def ask(self, choice: Optional[SyncMode], figures) -> bool:
+        """Put `choice` to the groups: whether the due sync must average every fragment and block.
+        In one world every group chose the same, so it must; in elastic mode the choice rides on
+        the vote in `figures`, and the vote says whether it holds."""
+        if not self.by_vote:
+            return choice is not None
+        if choice is not None:
+            figures.tune_choice = choice
+        return False
+
+    def agreed(self, engine, sync: Optional[SyncResult], choice: Optional[SyncMode], done: int,
+               voting: bool) -> Optional[SyncMode]:
+        """The mode to switch to after the sync of step `done`: `choice` in one world; in elastic
+        mode what its vote agreed, where the sync committed (a voted-down sync switches nothing)."""
+        if not self.by_vote:
+            return choice
+        vote = engine.vote  # taken at this step's sync, or at its launch (a switch makes that block)
+        voted_down = sync is not None and sync.step == done and not sync.committed
+        held = voting and vote is not None and vote.step == done and not voted_down
+        adopted = vote.tune_choice if held else None
+        if choice is not None and adopted != choice and (adopted is not None or choice != engine.mode):
+            self.tuner.outvoted(adopted, choice)
+        elif choice is None and adopted is not None:
+            self.tuner.decided = True  # another group's choice: this one's first choice is made
+        return engine.switch_voted() if held else None
 
     def after_sync(self, engine, sync: Optional[SyncResult], switch: Optional[SyncMode]) -> Optional[dict]:
         """Switch mode after the full sync a new choice asked for; let the tuner see the syncs that
@@ -67,18 +99,19 @@ class TuningHook:
             self.tuner.observe_sync(sync.exchange_seconds)
 
 
-def start_tuning(run: ResolvedRun, links_probed: bool, groups, files: RunFiles, device,
+def start_tuning(run: ResolvedRun, probe_scope: Optional[str], groups, files: RunFiles, device,
                  say: Callable[[str], None]) -> tuple[TuningHook, dict, Optional[SyncMode]]:
-    """The start-up link probe (where `links_probed`), its line in the banner and config.json, and
-    with --fl-tune the tuner: (the hook, the tuner's resumed state, the mode a resumed checkpoint
-    chose or None)."""
+    """The start-up link probe (`probe_scope` "job": every tier; "group": the group's own links,
+    in elastic mode; None: none), its line in the banner and config.json, and with --fl-tune the
+    tuner: (the hook, the tuner's resumed state, the mode a resumed checkpoint chose or None)."""
     fed = run.cfg.federation
-    if not links_probed:
+    if probe_scope is None:
         return TuningHook(None), {}, None
+    across = probe_scope == "job"
     codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
     # what an overlap costs: at the probe only where no step can be timed beside a trial exchange
     overlap = groups.exchange_peer if fed.tune and fed.tune_overlap and trial_step(fed) is None else None
-    probe = probe_links(groups, device, codecs, overlap)
+    probe = probe_links(groups, device, codecs, overlap, across_groups=across)
     cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
     say(probe_line(probe, cluster))
     files.write_config(config_to_json(run.cfg, {"link_probe": {**probe.to_dict(),
@@ -88,4 +121,4 @@ def start_tuning(run: ResolvedRun, links_probed: bool, groups, files: RunFiles, 
     mode, state = resumed_choice(run.cfg.checkpoint)
     if mode is not None:
         say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {mode.label()}")
-    return TuningHook(SyncTuner(run, groups, probe, say, device)), state, mode
+    return TuningHook(SyncTuner(run, groups, probe, say, device, by_vote=not across)), state, mode
