@@ -43,23 +43,30 @@ class HealingState:
 
     def source(self) -> dict:
         """This rank's state for rank k of a healing group. torchft calls it on its quorum thread
-        while the main thread waits in the quorum: it reads tensors and issues no collective."""
+        while the main thread waits in the quorum: it reads tensors and issues no collective.
+        Only what the healed group needs travels: at a sync it receives that sync's average as a
+        full blocking sync of every fragment, which sets its shards from the anchors, so the shards
+        travel only at start-up (no sync follows); error-feedback residuals never do (the healed
+        group starts its own at zero)."""
+        engine = {k: v for k, v in self.engine.state_tensors().items() if not is_residual(k)}
         return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
                 "at_start": self.at_start, "committed_syncs": self.engine.committed_syncs,
-                "shards": self.backend.local_shards(), "optimizer": self.backend.optimizer_transfer_state(),
+                "shards": self.backend.local_shards() if self.at_start else None,
+                "optimizer": self.backend.optimizer_transfer_state(),
                 "mode": self.engine.mode.fields(), "tune": self.tuner.state() if self.tuner is not None else None,
-                "engine": self.engine.state_tensors()}
+                "engine": engine}
 
     @torch.no_grad()
     def receive(self, state: dict) -> None:
         """Take a live rank's `source` (on the main thread, inside the quorum): shards, optimizer
         state, the sync mode the live groups are in (--fl-tune may have switched it), outer anchors
         and state, the tuner's state; error-feedback residuals start at zero."""
-        shards = self.backend.local_shards()
-        if [tuple(s.shape) for s in shards] != [tuple(s.shape) for s in state["shards"]]:
-            raise ValueError("the shards received for healing do not match this rank's shard layout")
-        for shard, value in zip(shards, state["shards"]):
-            shard.copy_(value)
+        if state["shards"] is not None:  # at start-up; at a sync the sync sets them
+            shards = self.backend.local_shards()
+            if [tuple(s.shape) for s in shards] != [tuple(s.shape) for s in state["shards"]]:
+                raise ValueError("the shards received for healing do not match this rank's shard layout")
+            for shard, value in zip(shards, state["shards"]):
+                shard.copy_(value)
         self.backend.load_optimizer_transfer_state(state["optimizer"])
         mode = SyncMode.from_fields(state["mode"])
         if mode != self.engine.mode:  # before the engine's state, which is cut as that mode cuts it
@@ -73,6 +80,12 @@ class HealingState:
         self.step, self.last_sync = state["step"], state["last_sync"]
         self.skipped_samples, self.healed_at = state["skipped_samples"], state["step"]
         self.source_at_start = state["at_start"]
+
+
+def is_residual(name: str) -> bool:
+    """Whether a sync-state tensor's name (SyncState.state_tensors) is an error-feedback residual."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "residual"
 
 
 @dataclass
