@@ -207,10 +207,10 @@ class FederationEngine:
         kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
         _slowed_link(step)
         consensus = self._measure() if self.config.measures_consensus else None
+        switching = self.switch_voted() is not None  # a switch of mode agreed in the vote needs every fragment
         choice = self.schedule.choose(consensus.relative if consensus else 0.0,
-                                      full=full or bool(senders.sick) or self.switch_voted())
-        # a healing group takes every fragment; a switch of mode agreed in the vote needs them all
-        every = full or senders.sick or self.vote.joining or self.switch_voted()
+                                      full=full or bool(senders.sick) or switching)
+        every = full or senders.sick or self.vote.joining or switching  # a healing group takes every fragment
         fragments = tuple(range(self.state.fragments)) if every else (self._due_fragment(step),)
         context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups, keep_inner_state)
         return exchange(self.state, self.backend, shards, context, consensus)
