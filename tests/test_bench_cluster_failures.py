@@ -10,7 +10,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 
 import bench_cluster  # noqa: E402
-from cluster_bench.failures import (HEAL_SLACK_S, default_kill, federated_count, heal_expectation,  # noqa: E402
+from cluster_bench.failures import (HEAL_SLACK_S, SETUPS, default_kill, federated_count, heal_expectation,  # noqa: E402
                                     last_sync_before, markdown, one_world_count, plan_problems, ratio_checks,
                                     table_rows)
 
@@ -82,6 +82,10 @@ def test_heal_expectation_holds_only_for_one_timely_heal_with_whole_live_groups(
     assert not ok and "did NOT train every step" in text
     ok, text = heal_expectation(6, 4, None, None, None, True, 0)
     assert not ok and "never healed" in text and "step 4" in text
+    # with 2 fragments the records show a sync of one fragment at step 5, the last the group took part in:
+    # the text counts from there, as the table's lost group-steps do
+    ok, text = heal_expectation(6, 4, 12, 1.0, 2.0, True, 1, last_sync=5)
+    assert ok and "lost 7 group-steps = 0 trained since its last sync (step 5) + 7 while" in text
 
 
 def _result(setup, faulted, wall_s, goodput):
@@ -115,7 +119,13 @@ SHAPE = ["--nodes", "3", "--ranks-per-node", "2", "--steps", "16", "--sync-inter
 def test_parse_fills_the_default_kill_and_output_folder():
     args = bench_cluster.parse(["--failure-compare", *SHAPE])
     assert (args.kill_step, args.kill_rank, args.out) == (6, 3, "runs/bench-cluster-failures")
+    assert bench_cluster.failure_comparison(args).setups == SETUPS
     assert bench_cluster.parse(SHAPE).out == "runs/bench-cluster"
+
+
+def test_rows_pick_the_failure_setups_in_their_own_order():
+    args = bench_cluster.parse(["--failure-compare", *SHAPE, "--rows", "torchft", "elastic-best", "one-world"])
+    assert bench_cluster.failure_comparison(args).setups == ("one-world", "elastic-best", "torchft")
 
 
 @pytest.mark.parametrize("kill_step", ["4", "13"])
@@ -124,11 +134,11 @@ def test_parse_rejects_a_kill_step_outside_the_run(capsys, kill_step):
     assert f"--kill-step {kill_step} must lie in (4, 12]" in err
 
 
-def test_parse_rejects_failure_flags_without_failure_compare_and_rows_with_it(capsys):
+def test_parse_rejects_failure_flags_without_failure_compare_and_rows_that_are_not_setups(capsys):
     assert "go with --failure-compare" in _parse_error(capsys, [*SHAPE, "--kill-step", "6"])
     assert "go with --failure-compare" in _parse_error(capsys, [*SHAPE, "--relaunch-delay", "5"])
-    assert "--rows is not used with --failure-compare" in _parse_error(capsys, ["--failure-compare", *SHAPE,
-                                                                                "--rows", "fsdp"])
+    assert "--rows fsdp: not a setup of --failure-compare" in _parse_error(capsys, ["--failure-compare", *SHAPE,
+                                                                                    "--rows", "fsdp"])
     assert "--kill-rank 6" in _parse_error(capsys, ["--failure-compare", *SHAPE, "--kill-rank", "6"])
 
 

@@ -66,7 +66,9 @@ def parse(argv=None) -> argparse.Namespace:
                                               "so that first-step set-up and the first sync are outside it)")
     p.add_argument("--repeats", type=int, default=1, help="run the rows this many times, interleaved; the "
                                                           "table shows the median repeat and the range")
-    p.add_argument("--rows", nargs="+", help="row keys (default: every row the cluster shape allows)")
+    p.add_argument("--rows", nargs="+", help="row keys (default: every row the cluster shape allows); with "
+                   "--failure-compare the setups to run (default: one-world elastic elastic-best torchft "
+                   "torchft-diloco)")
     p.add_argument("--out", help="output folder (default runs/bench-cluster, with --failure-compare "
                                  "runs/bench-cluster-failures)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per row")
@@ -102,10 +104,12 @@ def parse(argv=None) -> argparse.Namespace:
         problems += plan_problems(args.nodes, args.ranks_per_node, args.steps, args.sync_interval, args.kill_step,
                                   args.kill_rank)
         problems += [f"{flag} is not used with --failure-compare" for flag, used in
-                     (("--rows", args.rows), ("--repeats", args.repeats > 1), ("--jitter-ms", args.jitter_ms),
+                     (("--repeats", args.repeats > 1), ("--jitter-ms", args.jitter_ms),
                       ("--warmup", args.warmup != args.sync_interval)) if used]
         if args.relaunch_delay < 0:
             problems.append("--relaunch-delay must be at least 0")
+        problems += [f"--rows {key}: not a setup of --failure-compare (setups: {', '.join(failures.SETUPS)})"
+                     for key in args.rows or () if key not in failures.SETUPS]
     elif any(v is not None for v in (args.kill_step, args.kill_rank)) or args.relaunch_delay:
         problems.append("--kill-step, --kill-rank and --relaunch-delay go with --failure-compare")
     if problems:
@@ -238,7 +242,8 @@ def failure_comparison(args) -> "failures.Comparison":
         fl_flags=(*common_flags(args), *rows["fl-fsdp"].flags(), *node),
         peer_flags=(*common_flags(args), *rows["torchft-localsgd"].flags(), *node),
         best_flags=BEST_ELASTIC if args.sync_interval % 2 == 0 else ("--fl-sync-dtype", "int4", "--fl-error-feedback"),
-        diloco_flags=("--algorithm", "diloco"))
+        diloco_flags=("--algorithm", "diloco"),
+        setups=tuple(k for k in failures.SETUPS if k in args.rows) if args.rows else failures.SETUPS)
 
 
 def _failure_compare(args, argv, out: Path) -> int:

@@ -133,10 +133,12 @@ def goodput(tokens: int, wall_s: float) -> float:
 
 def heal_expectation(kill_step: int, sync_interval: int, healed_at: int | None, heal_s: float | None,
                      interval_s: float | None, live_groups_whole: bool, heals: int,
-                     slack_s: float = HEAL_SLACK_S) -> tuple[bool, str]:
+                     slack_s: float = HEAL_SLACK_S, last_sync: int | None = None) -> tuple[bool, str]:
     """Whether an elastic run lost at most the killed group's steps since its last sync plus one
-    heal (see the module's docstring), and a sentence saying so."""
-    last = last_sync_before(kill_step, sync_interval)
+    heal (see the module's docstring), and a sentence saying so. `last_sync`: the last sync the
+    killed group took part in, where the records show it (with fragments a sync of one fragment
+    may come between the full ones); else the last multiple of H before the kill."""
+    last = last_sync_before(kill_step, sync_interval) if last_sync is None else last_sync
     if healed_at is None:
         return False, f"the killed group never healed: it lost every step from its last sync (step {last}) on"
     since, waiting = kill_step - 1 - last, healed_at - (kill_step - 1)
@@ -435,7 +437,8 @@ def elastic_result(run: dict, steps: int, sync_interval: int, kill_step: int | N
             interval_s = times[healed_at] - times[max(before)]
     whole = all(summaries[g]["first_step"] == 1 and summaries[g]["last_step"] == steps for g in live)
     heals = summaries[live[0]]["elastic"].get("healed", 0) if live else 0
-    ok, text = heal_expectation(kill_step, sync_interval, healed_at, heal_s, interval_s, whole, heals)
+    ok, text = heal_expectation(kill_step, sync_interval, healed_at, heal_s, interval_s, whole, heals,
+                                last_sync=outages[kill_group][0] if kill_group is not None else None)
     return result, {"setup": "elastic", "ok": ok, "text": text, "healed_at": healed_at, "heal_s": heal_s,
                     "interval_s": interval_s}
 
