@@ -25,11 +25,14 @@ the others leave out the killed group's steps from its last sync to its heal), w
 the fault-free run; checks that (b) lost at most the killed group's steps since its last sync plus
 one heal, that (b') keeps >= 0.9 of its fault-free goodput and makes >= 1.3x (c)'s under the kill,
 and that fault-free (b) makes >= 0.97x fault-free (a) (exit code 3 when an elastic check is not
-met). tools/cluster_bench/failures.py explains the counting.
+met). --rows names the setups to run (keys one-world, elastic, elastic-best, torchft,
+torchft-diloco; default all). tools/cluster_bench/failures.py explains the counting.
 Writes bench.json and bench.md to --out (default runs/bench-cluster-failures):
 
   python tools/bench_cluster.py --failure-compare --nodes 3 --ranks-per-node 2 --steps 24 \\
       --sync-interval 4 --kill-step 6
+  python tools/bench_cluster.py --failure-compare --nodes 3 --ranks-per-node 2 --steps 96 \\
+      --sync-interval 4 --kill-step 6 --rows one-world elastic elastic-best torchft   # docs/benchmarks.md
 """
 
 import argparse
