@@ -1,0 +1,165 @@
+"""FedAvg across federation groups of unequal size, atom by atom, never gathering the model.
+
+`atom_plan` cuts every tensor where any group's shards (or HSDP replica slices) begin, so each
+atom has one owner rank per group. A rank averages its atoms over one communicator per owner
+tuple, packed into buckets, in the plan's sorted order of tuples on every rank (a common order:
+no two ranks wait on each other's later collective, on NCCL's one stream as on gloo). With HSDP
+each replica then broadcasts the slices it averaged to the other replicas of its shard.
+
+fp32 only, blocking, every group contributing: the exact path. Compression, weights, sick groups
+and the overlapped exchange build on it (issue 40).
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..atom_plan import AtomPlan
+from .averaging import SyncStats
+from .ledger import CommLedger
+
+MAX_IN_FLIGHT = 2  # packed buckets alive at once
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [offset, offset + length) of this rank's local shard number `tensor`."""
+
+    tensor: int
+    offset: int
+    length: int
+
+
+def build_atom_groups(plan: AtomPlan, rank: int, timeout: Optional[timedelta] = None,
+                      backend: Optional[str] = None) -> Dict[Tuple[int, ...], dist.ProcessGroup]:
+    """The communicators of `rank`'s owner tuples. Every rank of the world calls it with the same
+    plan: one `new_group` per owner tuple, in the plan's sorted order (torch names groups by a
+    count and connects only their members; no barrier unless TORCH_DIST_INIT_BARRIER=1)."""
+    mine = {atom.owners for atom in plan.rank_atoms(rank)}
+    groups = {}
+    for owners in plan.owner_tuples():
+        group = dist.new_group(list(owners), timeout=timeout, backend=backend)
+        if owners in mine:
+            groups[owners] = group
+    return groups
+
+
+def _buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
+    """Consecutive pieces packed up to `bucket_elements` (a longer piece is cut into several)."""
+    out, current, size = [], [], 0
+    for piece in pieces:
+        offset, left = piece.offset, piece.length
+        while left:
+            take = min(left, bucket_elements - size)
+            current.append(Piece(piece.tensor, offset, take))
+            size, offset, left = size + take, offset + take, left - take
+            if size == bucket_elements:
+                out.append(current)
+                current, size = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+class AtomAverager:
+    """Averages one rank's local shards (tensor t: its shard's range of tensor t, flat) over the
+    atoms of `plan`."""
+
+    def __init__(self, plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], dist.ProcessGroup], *,
+                 replica_group=None, bucket_bytes: int = 32 << 20, ledger: Optional[CommLedger] = None,
+                 peer_tier: str = "inter-node", replica_tier: str = "intra-node") -> None:
+        f, self.replica_index, _ = plan.shard_of(rank)
+        self.replicas = plan.groups[f].replicas
+        if self.replicas > 1 and replica_group is None:
+            raise ValueError(f"rank {rank}'s group has {self.replicas} replicas: the replica group is needed")
+        self.plan, self.rank, self.replica_group = plan, rank, replica_group
+        self.bucket_elements = max(1, int(bucket_bytes) // 4)
+        self.ledger, self.peer_tier, self.replica_tier = ledger, peer_tier, replica_tier
+        self.lengths = [hi - lo for lo, hi in (plan.shard_range(rank, t) for t in range(len(plan.numels)))]
+        by_tuple: Dict[Tuple[int, ...], List[Piece]] = {}
+        for atom in plan.rank_atoms(rank):
+            lo, _ = plan.shard_range(rank, atom.tensor)
+            by_tuple.setdefault(atom.owners, []).append(Piece(atom.tensor, atom.start - lo, atom.length))
+        missing = [owners for owners in by_tuple if owners not in communicators]
+        if missing:
+            raise ValueError(f"no communicator for owner tuple(s) {missing[:3]}: build them with build_atom_groups")
+        self.rounds = [(communicators[owners], self._bucketed(pieces)) for owners, pieces in sorted(by_tuple.items())]
+        self.replica_slices = [self._slices_of(r) for r in range(self.replicas)] if self.replicas > 1 else []
+
+    def _bucketed(self, pieces: List[Piece]) -> List[List[Piece]]:
+        return _buckets(pieces, self.bucket_elements)
+
+    def _slices_of(self, replica: int) -> List[Piece]:
+        """The pieces of this rank's shard that replica `replica` of it averages."""
+        f, _, s = self.plan.shard_of(self.rank)
+        owner = self.plan.groups[f].rank(replica, s)
+        pieces = []
+        for t in range(len(self.plan.numels)):
+            lo, _ = self.plan.shard_range(self.rank, t)
+            pieces += [Piece(t, a - lo, b - a) for a, b, who in self.plan.replica_runs(self.rank, t) if who == owner]
+        return pieces
+
+    @torch.no_grad()
+    def average(self, shards: List[torch.Tensor]) -> SyncStats:
+        """Replace every shard by its mean over the groups, in place; returns what it moved."""
+        if len(shards) != len(self.lengths):
+            raise ValueError(f"{len(shards)} shards for a plan of {len(self.lengths)} tensors")
+        for t, (shard, length) in enumerate(zip(shards, self.lengths)):
+            if shard.numel() != length or shard.dtype != torch.float32 or not shard.is_contiguous():
+                raise ValueError(f"shard {t}: {shard.numel()} {shard.dtype} elements"
+                                 f"{'' if shard.is_contiguous() else ', not contiguous'}; the plan expects "
+                                 f"{length} contiguous fp32 elements")
+        flats = [s.view(-1) for s in shards]
+        stats = SyncStats()
+        in_flight: List[Tuple[torch.Tensor, List[Piece], object]] = []
+        for group, buckets in self.rounds:
+            for bucket in buckets:
+                if len(in_flight) >= MAX_IN_FLIGHT:
+                    self._land(in_flight.pop(0), flats)
+                buffer = self._pack(bucket, flats)
+                work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
+                in_flight.append((buffer, bucket, work))
+                self._count(stats, buffer, "inter-group", self.peer_tier)
+        while in_flight:
+            self._land(in_flight.pop(0), flats)
+        for replica, pieces in enumerate(self.replica_slices):
+            for bucket in self._bucketed(pieces):
+                buffer = self._pack(bucket, flats)
+                dist.broadcast(buffer, group_src=replica, group=self.replica_group)
+                if replica != self.replica_index:
+                    self._unpack(buffer, bucket, flats)
+                else:
+                    self._count(stats, buffer, "intra-group", self.replica_tier)
+        return stats
+
+    @staticmethod
+    def _pack(bucket: List[Piece], flats: List[torch.Tensor]) -> torch.Tensor:
+        if len(bucket) == 1:  # one stretch of one shard: averaged in place
+            p = bucket[0]
+            return flats[p.tensor].narrow(0, p.offset, p.length)
+        return torch.cat([flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket])
+
+    @staticmethod
+    def _unpack(buffer: torch.Tensor, bucket: List[Piece], flats: List[torch.Tensor]) -> None:
+        if len(bucket) == 1:  # `_pack` gave a view: averaged (or received) in place already
+            return
+        targets = [flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket]
+        torch._foreach_copy_(targets, list(buffer.split([p.length for p in bucket])))
+
+    def _land(self, item, flats: List[torch.Tensor]) -> None:
+        buffer, bucket, work = item
+        work.wait()
+        self._unpack(buffer, bucket, flats)
+
+    def _count(self, stats: SyncStats, buffer: torch.Tensor, scope: str, tier: str) -> None:
+        nbytes = buffer.numel() * buffer.element_size()
+        stats.collectives += 1
+        if scope == "inter-group":
+            stats.inter_group_bytes += nbytes
+        else:
+            stats.intra_group_bytes += nbytes
+        if self.ledger is not None:
+            self.ledger.add(scope, tier, nbytes)
