@@ -244,8 +244,9 @@ class FSDP2Backend:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters gathered on every rank (small models and tests only)."""
-        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+        """Unsharded parameters gathered on every rank (small models and tests only): copies, never
+        the live parameters (with one shard per rank, a CPU "gather" would alias them)."""
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
                 for name, p in self.model.named_parameters()}
 
     # --- checkpoints ------------------------------------------------------------------------
