@@ -15,6 +15,7 @@ of the other groups its range meets.
 Pure Python, no torch: a 512-rank plan of an 8B model takes well under a second.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Sequence, Tuple
 
@@ -54,9 +55,7 @@ def fsdp2_cuts(shape: Sequence[int], shards: int) -> Cuts:
     """FSDP2's cut of a tensor: dim 0 in chunks of ceil(rows / S) rows (`torch.chunk`), the last
     ranks possibly short or empty; as flat element offsets."""
     rows = shape[0] if shape else 1
-    row_elements = 1
-    for d in shape[1:]:
-        row_elements *= d
+    row_elements = math.prod(shape[1:])
     per = -(-rows // shards)
     return tuple(min(s * per, rows) * row_elements for s in range(shards + 1))
 
@@ -73,10 +72,7 @@ def tensor_cuts(rule: str, shape: Sequence[int], shards: int) -> Cuts:
     if rule == "fsdp2":
         return fsdp2_cuts(shape, shards)
     if rule == "flat":
-        numel = 1
-        for d in shape:
-            numel *= d
-        return flat_cuts(numel, shards)
+        return flat_cuts(math.prod(shape), shards)
     raise ValueError(f"unknown cut rule {rule!r}; known: {', '.join(CUT_RULES)}")
 
 
@@ -185,10 +181,7 @@ class AtomPlan:
         return self._by_rank.get(rank, [])
 
     def group_of(self, rank: int) -> int:
-        for f, g in enumerate(self.groups):
-            if g.first_rank <= rank < g.first_rank + g.size:
-                return f
-        raise ValueError(f"rank {rank} is in no group of this plan (world of {self.world_size})")
+        return group_index(self.groups, rank)
 
     def shard_of(self, rank: int) -> Tuple[int, int, int]:
         """(group, replica, shard) of a global rank."""
@@ -218,6 +211,14 @@ class AtomPlan:
             comms = [len({a.owners for a in self.rank_atoms(r)}) for r in ranks]
             out.append(GroupCost(f, g.size, g.shard_size, max(elements), min(elements), max(comms)))
         return out
+
+
+def group_index(groups: Sequence[GroupShape], rank: int) -> int:
+    """The index of the group holding global `rank` (ValueError if none does)."""
+    for f, g in enumerate(groups):
+        if g.first_rank <= rank < g.first_rank + g.size:
+            return f
+    raise ValueError(f"rank={rank} is in none of the groups (ranks 0-{sum(g.size for g in groups) - 1})")
 
 
 def groups_from_sizes(sizes: Sequence[int], shard_sizes: Sequence[int] = ()) -> Tuple[GroupShape, ...]:
@@ -257,11 +258,6 @@ def plan_atoms(groups: Sequence[GroupShape], cuts: Sequence[Sequence[Cuts]],
 
 def plan_for_shapes(groups: Sequence[GroupShape], shapes: Sequence[Sequence[int]], rule: str = "fsdp2") -> AtomPlan:
     """`plan_atoms` for tensors of `shapes`, every group cutting them by one backend's `rule`."""
-    numels = []
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        numels.append(n)
+    numels = [math.prod(shape) for shape in shapes]
     cuts = [[tensor_cuts(rule, shape, g.shard_size) for g in groups] for shape in shapes]
     return plan_atoms(groups, cuts, numels)

@@ -8,9 +8,10 @@ and `as_equal_layout` gives that layout. Pure Python, no torch.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Optional, Sequence, Tuple
 
-from .atom_plan import GroupShape, groups_from_sizes
+from .atom_plan import GroupShape, group_index, groups_from_sizes
 from .topology import DEFAULT_RANKS_PER_NODE, Layout, make_layout
 
 
@@ -85,7 +86,7 @@ class GroupLayout:
     def num_groups(self) -> int:
         return len(self.group_sizes)
 
-    @property
+    @cached_property
     def groups(self) -> Tuple[GroupShape, ...]:
         """Each group's first rank, size and shard size: what `atom_plan` plans over."""
         return groups_from_sizes(self.group_sizes, self.shard_sizes)
@@ -96,14 +97,7 @@ class GroupLayout:
 
     def group_of(self, rank: int) -> int:
         """The group holding global `rank`."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} outside range(world_size={self.world_size})")
-        first = 0
-        for f, g in enumerate(self.group_sizes):
-            if rank < first + g:
-                return f
-            first += g
-        raise AssertionError("unreachable")
+        return group_index(self.groups, rank)
 
     def as_equal_layout(self) -> Layout:
         """Today's `Layout` of equal groups (ValueError when the groups differ)."""

@@ -2,6 +2,8 @@
 average their shards to the closed-form mean of the groups' full tensors, bit for bit in fp32
 where two groups meet, whatever the bucket size, and report the bytes the plan's costs say."""
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -64,7 +66,7 @@ def test_unequal_groups_average_to_the_mean_of_their_full_tensors():
             # each group's full tensors, reassembled from its ranks' shards
             assembled = []
             for f, g in enumerate(plan.groups):
-                tensors = [torch.full((_numel(s),), float("nan")) for s in SHAPES]
+                tensors = [torch.full((math.prod(s),), float("nan")) for s in SHAPES]
                 for rank in range(g.first_rank, g.first_rank + g.size):
                     got, inter, intra, ledger_inter = results[rank][(case, bucket)]
                     for t, values in enumerate(got):
@@ -89,9 +91,3 @@ def test_unequal_groups_average_to_the_mean_of_their_full_tensors():
                 else:
                     torch.testing.assert_close(assembled[0][t], sum(before) / len(before), rtol=1e-6, atol=1e-6)
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -1,6 +1,7 @@
 """The averaging plan over groups of unequal size (atom_plan) and their layout (group_layout),
 checked element by element against torch.chunk's cut (what FSDP2 uses) and today's peer groups."""
 
+import math
 import time
 
 import pytest
@@ -19,19 +20,13 @@ MIXES = [  # (group sizes, shard sizes): FSDP mixes, then HSDP mixes
 ]
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
 
 def _chunk_owner(shape, group: GroupShape) -> list:
     """Element -> global owner rank in `group`, from torch.chunk's rows and each shard's P
     replica slices (ceil): the reference the plan must match."""
     rows = shape[0] if shape else 1
-    row_elements = _numel(shape[1:]) if shape else 1
-    owner = [None] * _numel(shape)
+    row_elements = math.prod(shape[1:]) if shape else 1
+    owner = [None] * math.prod(shape)
     chunks = list(torch.arange(rows).chunk(group.shard_size)) if rows else []
     for s, chunk in enumerate(chunks):
         if chunk.numel() == 0:
@@ -49,19 +44,19 @@ def test_every_element_of_every_group_is_averaged_exactly_once_by_its_holder(siz
     plan = plan_for_shapes(groups, SHAPES)
     for t, shape in enumerate(SHAPES):
         atoms = [a for a in plan.atoms if a.tensor == t]
-        covered = [0] * _numel(shape)
+        covered = [0] * math.prod(shape)
         for a in atoms:
             assert a.start < a.stop
             for e in range(a.start, a.stop):
                 covered[e] += 1
-        assert covered == [1] * _numel(shape), (t, shape)
+        assert covered == [1] * math.prod(shape), (t, shape)
         for f, g in enumerate(groups):
             owner = _chunk_owner(shape, g)
             for a in atoms:
                 assert set(owner[a.start:a.stop]) == {a.owners[f]}, (t, f, a)
                 assert g.first_rank <= a.owners[f] < g.first_rank + g.size
     # every rank's atoms lie inside its own shard, and a group's ranks together average the whole model
-    total = sum(_numel(s) for s in SHAPES)
+    total = sum(math.prod(s) for s in SHAPES)
     for g in groups:
         assert sum(a.length for r in range(g.first_rank, g.first_rank + g.size) for a in plan.rank_atoms(r)) == total
         for r in range(g.first_rank, g.first_rank + g.size):
@@ -127,7 +122,7 @@ def test_512_ranks_of_an_8b_model_are_planned_in_under_a_second(sizes, shards):
     seconds = time.perf_counter() - began
     assert seconds < 1.0, seconds
     costs = plan.costs()
-    total = sum(_numel(s) for s in shapes)
+    total = sum(math.prod(s) for s in shapes)
     assert sum(len(plan.rank_atoms(r)) > 0 for r in range(512)) == 512
     for cost, size in zip(costs, sizes):  # a group's ranks share the whole model
         assert cost.min_elements <= total / size <= cost.max_elements

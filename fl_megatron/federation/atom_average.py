@@ -86,11 +86,11 @@ class AtomAverager:
         missing = [owners for owners in by_tuple if owners not in communicators]
         if missing:
             raise ValueError(f"no communicator for owner tuple(s) {missing[:3]}: build them with build_atom_groups")
-        self.rounds = [(communicators[owners], self._bucketed(pieces)) for owners, pieces in sorted(by_tuple.items())]
-        self.replica_slices = [self._slices_of(r) for r in range(self.replicas)] if self.replicas > 1 else []
-
-    def _bucketed(self, pieces: List[Piece]) -> List[List[Piece]]:
-        return _buckets(pieces, self.bucket_elements)
+        self.rounds = [(communicators[owners], _buckets(pieces, self.bucket_elements))
+                       for owners, pieces in sorted(by_tuple.items())]
+        # per replica of this rank's shard: the buckets of the slices it averaged, cut once
+        self.replica_slices = [_buckets(self._slices_of(r), self.bucket_elements)
+                               for r in range(self.replicas)] if self.replicas > 1 else []
 
     def _slices_of(self, replica: int) -> List[Piece]:
         """The pieces of this rank's shard that replica `replica` of it averages."""
@@ -125,8 +125,8 @@ class AtomAverager:
                 self._count(stats, buffer, "inter-group", self.peer_tier)
         while in_flight:
             self._land(in_flight.pop(0), flats)
-        for replica, pieces in enumerate(self.replica_slices):
-            for bucket in self._bucketed(pieces):
+        for replica, buckets in enumerate(self.replica_slices):
+            for bucket in buckets:
                 buffer = self._pack(bucket, flats)
                 dist.broadcast(buffer, group_src=replica, group=self.replica_group)
                 if replica != self.replica_index:
