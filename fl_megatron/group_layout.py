@@ -12,7 +12,7 @@ from functools import cached_property
 from typing import List, Optional, Sequence, Tuple
 
 from .atom_plan import GroupShape, group_index, groups_from_sizes
-from .topology import DEFAULT_RANKS_PER_NODE, Layout, make_layout
+from .topology import DEFAULT_RANKS_PER_NODE, GroupSharding, Layout, WorldShape, make_layout
 
 
 def _block_problem(what: str, first: int, size: int, ranks_per_node: int, world_size: int) -> Optional[str]:
@@ -66,7 +66,7 @@ def group_layout_problems(group_sizes: Sequence[int], shard_sizes: Sequence[int]
 
 
 @dataclass(frozen=True)
-class GroupLayout:
+class GroupLayout(WorldShape):
     """A validated layout of F groups of sizes `group_sizes`, sharded over `shard_sizes`."""
 
     ranks_per_node: int
@@ -85,6 +85,16 @@ class GroupLayout:
     @property
     def num_groups(self) -> int:
         return len(self.group_sizes)
+
+    @property
+    def is_hsdp(self) -> bool:
+        """Whether any group replicates its shards (HSDP)."""
+        return any(g.replicas > 1 for g in self.groups)
+
+    @property
+    def is_unequal(self) -> bool:
+        """Always True: equal groups resolve to `topology.Layout` (see `resolve_group_layout`)."""
+        return True
 
     @cached_property
     def groups(self) -> Tuple[GroupShape, ...]:
@@ -107,7 +117,27 @@ class GroupLayout:
         return make_layout(self.world_size, self.ranks_per_node, self.group_sizes[0],
                            shard_size=self.shard_sizes[0])
 
-    def describe(self) -> List[str]:
+    def coords(self, rank: int) -> Tuple[int, int, int]:
+        """(group, replica index, shard index) of global `rank`."""
+        f = self.group_of(rank)
+        g = self.groups[f]
+        r, s = divmod(rank - g.first_rank, g.shard_size)
+        return f, r, s
+
+    def seen_from(self, rank: int) -> "RankLayout":
+        """The layout as rank `rank`'s own group sees it (what a backend and the trainer read)."""
+        g = self.groups[self.group_of(rank)]
+        return RankLayout(self, self.group_of(rank), g.size, g.shard_size)
+
+    def describe(self) -> str:
+        """The banner's lines: the world, then a line per group."""
+        n = self.world_size
+        head = (f"{n} ranks on {self.num_nodes} node{'s' * (self.num_nodes != 1)} x "
+                f"{min(self.ranks_per_node, n)}, {self.num_groups} federation groups of unequal size "
+                f"({'+'.join(map(str, self.group_sizes))})")
+        return "\n".join([head] + ["  " + line for line in self.group_lines()])
+
+    def group_lines(self) -> List[str]:
         """A line per group: its ranks, nodes and sharding."""
         lines = []
         for f, g in enumerate(self.groups):
@@ -120,6 +150,26 @@ class GroupLayout:
         return lines
 
 
+@dataclass(frozen=True)
+class RankLayout(WorldShape, GroupSharding):
+    """A layout of unequal groups seen from one rank: its own group's size G and shard size S,
+    the world's size and group count. It reads like `topology.Layout` for everything that concerns
+    the rank's own group; `whole` has every group."""
+
+    whole: GroupLayout
+    group: int
+    group_size: int
+    shard_size: int
+
+    world_size = property(lambda self: self.whole.world_size)
+    ranks_per_node = property(lambda self: self.whole.ranks_per_node)
+    num_groups = property(lambda self: self.whole.num_groups)
+    is_unequal = property(lambda self: True)
+
+    def describe(self) -> str:
+        return self.whole.describe()
+
+
 def make_group_layout(group_sizes: Sequence[int], ranks_per_node: Optional[int] = None,
                       shard_sizes: Optional[Sequence[int]] = None) -> GroupLayout:
     """Resolve defaults (shards: each group's size, i.e. FSDP; ranks_per_node as `make_layout`)
@@ -129,3 +179,27 @@ def make_group_layout(group_sizes: Sequence[int], ranks_per_node: Optional[int] 
     if ranks_per_node is None:
         ranks_per_node = world if 1 <= world <= DEFAULT_RANKS_PER_NODE else DEFAULT_RANKS_PER_NODE
     return GroupLayout(ranks_per_node, sizes, tuple(shard_sizes) if shard_sizes is not None else sizes)
+
+
+def layout_record(layout) -> dict:
+    """A layout as metadata.json and summary.json record it: world, node, G, F, S (for groups of
+    unequal size group 0's G and S) and every group's size and shard size."""
+    sizes, shards = group_sizes_of(layout)
+    return {"world_size": layout.world_size, "ranks_per_node": layout.ranks_per_node, "group_size": sizes[0],
+            "num_groups": len(sizes), "hsdp_shard_size": shards[0], "group_sizes": list(sizes),
+            "hsdp_shard_sizes": list(shards)}
+
+
+def group_sizes_of(layout) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(every group's size, every group's shard size) of a `Layout`, `GroupLayout` or `RankLayout`."""
+    whole = getattr(layout, "whole", layout)
+    if isinstance(whole, GroupLayout):
+        return whole.group_sizes, whole.shard_sizes
+    return (whole.group_size,) * whole.num_groups, (whole.shard_size,) * whole.num_groups
+
+
+def recorded_group_sizes(record: dict) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """`group_sizes_of` from a `layout_record` (older records: equal groups)."""
+    f = record["num_groups"]
+    return (tuple(record.get("group_sizes") or (record["group_size"],) * f),
+            tuple(record.get("hsdp_shard_sizes") or (record["hsdp_shard_size"],) * f))

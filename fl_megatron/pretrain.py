@@ -227,7 +227,9 @@ def _check_checkpoint_files(run, rank: Optional[int]) -> None:
         return
     path, meta = find_checkpoint(*source)
     sources, _ = source_groups(meta, run)
-    groups = range(run.layout.num_groups) if rank is None else [coords(run.layout, rank)[0]]
+    lay = run.layout
+    groups = range(lay.num_groups) if rank is None else [lay.coords(rank)[0] if hasattr(lay, "group_sizes")
+                                                         else coords(lay, rank)[0]]
     for group in sorted({sources[g] for g in groups}):
         check_group_pickles(meta["backend"], group_dir(path, group))
 

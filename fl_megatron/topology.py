@@ -112,8 +112,35 @@ def layout_problems(world_size: int, ranks_per_node: int, group_size: Optional[i
     return problems
 
 
+class WorldShape:
+    """What follows from a layout's world, node and group counts (`world_size`, `ranks_per_node`,
+    `num_groups`): shared by `Layout` and group_layout's `GroupLayout`."""
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes used (a world smaller than a node counts as one partial node)."""
+        return -(-self.world_size // self.ranks_per_node)
+
+    @property
+    def is_federated(self) -> bool:
+        return self.num_groups > 1
+
+
+class GroupSharding:
+    """What follows from a group's size G and shard size S (`group_size`, `shard_size`)."""
+
+    @property
+    def replicas(self) -> int:
+        """P: replicas inside a group (1 for FSDP)."""
+        return self.group_size // self.shard_size
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicas > 1
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(WorldShape, GroupSharding):
     """A validated rank layout: N ranks, R per node, groups of G, shards of S."""
 
     world_size: int
@@ -133,24 +160,6 @@ class Layout:
     def num_groups(self) -> int:
         """F: number of federation groups."""
         return self.world_size // self.group_size
-
-    @property
-    def replicas(self) -> int:
-        """P: replicas inside a group (1 for FSDP)."""
-        return self.group_size // self.shard_size
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes used (a world smaller than a node counts as one partial node)."""
-        return -(-self.world_size // self.ranks_per_node)
-
-    @property
-    def is_federated(self) -> bool:
-        return self.num_groups > 1
-
-    @property
-    def is_hsdp(self) -> bool:
-        return self.replicas > 1
 
     def describe(self) -> str:
         """Short multi-line human description of the layout."""

@@ -131,11 +131,16 @@ def test_512_ranks_of_an_8b_model_are_planned_in_under_a_second(sizes, shards):
 def test_group_layout_is_checked_node_by_node():
     layout = make_group_layout((8, 4, 4), ranks_per_node=4, shard_sizes=(4, 4, 2))
     assert layout.world_size == 16 and layout.groups[2].first_rank == 12 and layout.groups[2].replicas == 2
-    assert layout.describe() == ["group 0: 8 ranks (0-7, nodes 0-1), FSDP over 4".replace("FSDP over 4",
+    assert layout.group_lines() == ["group 0: 8 ranks (0-7, nodes 0-1), FSDP over 4".replace("FSDP over 4",
                                                                                            "HSDP 2 replicas x 4 shards"),
                                  "group 1: 4 ranks (8-11, node 2), FSDP over 4",
                                  "group 2: 4 ranks (12-15, node 3), HSDP 2 replicas x 2 shards"]
     assert [layout.group_of(r) for r in (0, 7, 8, 15)] == [0, 0, 1, 2]
+    assert layout.describe().splitlines()[0] == ("16 ranks on 4 nodes x 4, 3 federation groups of unequal size "
+                                                 "(8+4+4)")
+    seen = layout.seen_from(13)  # what a rank of group 2 reads, as from an equal Layout
+    assert (seen.group, seen.group_size, seen.shard_size, seen.replicas, seen.is_hsdp) == (2, 4, 2, 2, True)
+    assert (seen.world_size, seen.num_groups, seen.is_federated) == (16, 3, True)
     with pytest.raises(ValueError) as e:
         make_group_layout((6, 2), ranks_per_node=4)
     assert "group 0 (ranks 0-5) must cover whole nodes of 4 ranks" in str(e.value)
@@ -148,4 +153,4 @@ def test_group_layout_is_checked_node_by_node():
         make_group_layout((8, 4), ranks_per_node=8)
     equal = make_group_layout((4, 4), ranks_per_node=4, shard_sizes=(2, 2))
     assert equal.is_equal and equal.as_equal_layout() == make_layout(8, 4, 4, shard_size=2)
-    assert make_group_layout((4, 2, 1, 1), ranks_per_node=8).describe()[2] == "group 2: 1 rank (6-6, node 0), FSDP over 1"
+    assert make_group_layout((4, 2, 1, 1), ranks_per_node=8).group_lines()[2] == "group 2: 1 rank (6-6, node 0), FSDP over 1"

@@ -48,7 +48,8 @@ def _groups(world, rank: int = 0):
     groups = SimpleNamespace(layout=layout, coords=(rank, 0, 0), rank=rank, peer=world, replica=None, federation=world,
                              exchange_peer=None, meet=lambda: whole_federation(2, rank),
                              tier=lambda kind: "inter-node", device_type="cpu",
-                             all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
+                             all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world),
+                             reduce_across_groups=lambda tensor, op, call: call(dist.all_reduce, tensor, op=op, group=world))
     groups.transaction = lambda backend, state: OneWorldTransaction(groups)
     groups.has_exchange_groups = lambda: groups.exchange_peer is not None  # as ProcessGroups says
     return groups

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.config.sync_mode import SyncMode
-from fl_megatron.federation.vote import GroupFigures, take_vote
+from fl_megatron.federation.vote import GroupFigures, across_peer_group, take_vote
 from fl_megatron.local_ranks import run_ranks
 
 INT8 = SyncMode("int8", 1, 2, 4)
@@ -23,7 +23,7 @@ def _job(rank: int, world: int) -> list:
     out = []
     for step, choices in enumerate(ROUNDS):
         figures = GroupFigures(loss=1.0 + rank, grad_norm=10.0 * rank, tune_choice=choices[rank])
-        vote = take_vote(step, shards, figures, rank, world, 0.0, own, dist.group.WORLD, "cpu")
+        vote = take_vote(step, shards, figures, rank, world, 0.0, own, across_peer_group(dist.group.WORLD), "cpu")
         out.append((vote.tune_choice, vote.losses, vote.grad_norms, vote.sick, vote.joining, vote.signalled))
     return out
 

@@ -170,6 +170,11 @@ class FSDP2Backend:
             if stop > start:
                 local.copy_(initial.rows(name, tuple(param.shape), start, stop))
 
+    def atom_cut(self) -> tuple[str, list[tuple]]:
+        """How `named_shards` cut every parameter across a group, for groups of unequal size
+        (atom_plan): FSDP2's row rule and each parameter's full shape, in the model's order."""
+        return "fsdp2", [tuple(p.shape) for _, p in self._sharded]
+
     # --- the engine's contract -------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's fp32 shards: runs of adjacent shards in the flat buffer as one tensor each,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config.resolved import ResolvedRun
 from ..config.sync_mode import SyncMode
+from ..group_layout import GroupLayout, group_sizes_of, layout_record, recorded_group_sizes
 from .metadata_schema import metadata_problems
 from .paths import METADATA, TRACKER, iteration_dir, published_iterations, read_tracker
 
@@ -27,9 +28,7 @@ def build_metadata(run: ResolvedRun, iteration: int, last_synced_step: int, sync
         "consumed_samples": iteration * run.cfg.training.micro_batch_size * run.accumulation * lay.world_size,
         "backend": run.cfg.parallel.backend,
         "mode": mode,
-        "layout": {"world_size": lay.world_size, "ranks_per_node": lay.ranks_per_node,
-                   "group_size": lay.group_size, "num_groups": lay.num_groups,
-                   "hsdp_shard_size": lay.shard_size},
+        "layout": layout_record(lay),
         "groups_saved": groups_saved,
         "model": dataclasses.asdict(run.cfg.model),
         "federation": {"last_synced_step": last_synced_step, "synced_at_save": synced_now,
@@ -93,6 +92,20 @@ def find_checkpoint(root: Path, iteration: int | None = None) -> tuple[Path, dic
     return path, meta
 
 
+def _same_unequal_groups(meta: dict, run: ResolvedRun, problems: list[str]) -> tuple[list[int], list[str]]:
+    """Groups of unequal size resume only into the same groups (each group its own saved state;
+    outer state and residuals are per rank, in its atoms' layout), besides `problems` found already."""
+    saved, here = recorded_group_sizes(meta["layout"]), group_sizes_of(run.layout)
+    if saved != here or meta["mode"] == "compact":
+        show = lambda sizes: f"groups {'+'.join(map(str, sizes[0]))} sharded {'+'.join(map(str, sizes[1]))}"  # noqa: E731
+        problems.append(f"{show(saved)} ({meta['mode']} checkpoint) vs {show(here)} (run): groups of unequal size "
+                        "resume only into the same groups from an exact checkpoint (re-cutting the per-rank outer "
+                        "state is not supported yet)")
+    if problems:
+        raise ValueError(f"checkpoint {meta.get('iteration')} does not fit this run: " + "; ".join(problems))
+    return list(range(len(here[0]))), []
+
+
 def source_groups(meta: dict, run: ResolvedRun) -> tuple[list[int], list[str]]:
     """Which saved group each of the run's groups loads, and notes on what that means.
 
@@ -103,6 +116,8 @@ def source_groups(meta: dict, run: ResolvedRun) -> tuple[list[int], list[str]]:
         problems.append(f"backend {meta['backend']} (checkpoint) vs {backend} (run): a checkpoint loads "
                         "into the backend that wrote it (export to Hugging Face and use --init-from-hf to switch)")
     saved, lay = meta["layout"], run.layout
+    if isinstance(lay, GroupLayout) or len(set(recorded_group_sizes(saved)[0])) > 1:
+        return _same_unequal_groups(meta, run, problems)
     fixed_shards = {"deepspeed": ("ZeRO-3", "DeepSpeed"), "megatron": ("distributed-optimizer", "megatron")}
     if backend in fixed_shards and saved["hsdp_shard_size"] != lay.shard_size:
         what, who = fixed_shards[backend]

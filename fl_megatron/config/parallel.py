@@ -63,6 +63,13 @@ class FederationConfig:
         default=8, metadata={"help": "average the groups every H optimizer steps and at the end; 0 disables"})
     hsdp_shard_size: Optional[int] = field(
         default=None, metadata={"help": "HSDP shard size S inside a group (S divides G; default G = FSDP)"})
+    group_sizes: str = field(
+        default="", metadata={"help": "groups of unequal size, one world: ranks per group, comma-separated in rank "
+                                      "order (e.g. 8,4: a site of 8 GPUs beside one of 4); replaces "
+                                      "--fl-group-size and --fl-num-groups (docs/heterogeneous.md)"})
+    hsdp_shard_sizes: str = field(
+        default="", metadata={"help": "with --fl-group-sizes: each group's HSDP shard size, comma-separated "
+                                      "(default: each group's size, FSDP inside every group)"})
     replica_split: bool = field(
         default=True, metadata={"help": "FL+HSDP: each replica averages 1/P of the shard across groups, then "
                                         "the replicas all-gather (P times less inter-group traffic); "
@@ -257,6 +264,19 @@ class FederationConfig:
         return [g.strip() for g in self.ada_graphs.split(",") if g.strip()]
 
     @property
+    def unequal_sizes(self) -> Optional[tuple[list[int], list[int]]]:
+        """(group sizes, shard sizes) from --fl-group-sizes and --fl-hsdp-shard-sizes; None when
+        the groups are given by --fl-group-size or --fl-num-groups. ValueError on a malformed list."""
+        if not self.group_sizes:
+            if self.hsdp_shard_sizes:
+                raise ValueError("hsdp_shard_sizes needs group_sizes (--fl-group-sizes); with groups of equal "
+                                 "size use hsdp_shard_size")
+            return None
+        sizes = _int_list("group_sizes", self.group_sizes)
+        shards = _int_list("hsdp_shard_sizes", self.hsdp_shard_sizes) if self.hsdp_shard_sizes else list(sizes)
+        return sizes, shards
+
+    @property
     def syncing(self) -> bool:
         """Whether averaging happens at all (H > 0 and not disabled)."""
         return self.sync_interval > 0 and not self.disable_sync
@@ -267,6 +287,7 @@ class FederationConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 errors.append(f"{name}={value} must be at least 1")
+        errors += self._group_sizes_errors()
         if self.sync_interval < 0:
             errors.append(f"sync_interval={self.sync_interval} must be >= 0 (0 disables syncing)")
         if self.bucket_mb <= 0:
@@ -322,6 +343,25 @@ class FederationConfig:
             errors.append("tune may pick fragments, which inner_state reset refuses; use keep or average")
         if not self.link_probe:
             errors.append("tune needs the start-up link probe (link_probe)")
+        return errors
+
+    def _group_sizes_errors(self) -> list[str]:
+        """Problems of --fl-group-sizes and --fl-hsdp-shard-sizes on their own (the layout checks
+        them against the world and its nodes)."""
+        try:
+            unequal = self.unequal_sizes
+        except ValueError as e:
+            return [str(e)]
+        if unequal is None:
+            return []
+        errors = [f"group_sizes replaces {name}={getattr(self, name)}: give one of them"
+                  for name in ("group_size", "num_groups", "hsdp_shard_size") if getattr(self, name) is not None]
+        sizes, shards = unequal
+        if len(shards) != len(sizes):
+            errors.append(f"hsdp_shard_sizes has {len(shards)} values for {len(sizes)} groups: give one per group")
+        if self.elastic:
+            errors.append("group_sizes describes one world; in elastic mode each group is its own job and "
+                          "groups of unequal size are not supported yet (docs/heterogeneous.md)")
         return errors
 
     def _elastic_errors(self) -> list[str]:
@@ -404,3 +444,15 @@ class FederationConfig:
             if self.ada_hold < 1 or self.ada_warmup < 0:
                 errors.append(f"ada_hold={self.ada_hold} must be >= 1 and ada_warmup={self.ada_warmup} >= 0")
         return errors
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    """`text` as comma-separated positive integers; ValueError naming `name` otherwise."""
+    values = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        if not piece.isdigit() or int(piece) < 1:
+            raise ValueError(f"{name}={text!r} must be positive integers separated by commas (e.g. 8,4); "
+                             f"{piece!r} is not one")
+        values.append(int(piece))
+    return values

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..topology import Layout
-from .run import RunConfig
+from .run import RunConfig, layout_group_size
 
 
 @dataclass(frozen=True)
@@ -29,4 +29,4 @@ class ResolvedRun:
 def resolve(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> ResolvedRun:
     """Validate `cfg` for `world_size` ranks (ValueError naming every problem) and resolve it."""
     layout = cfg.validate(world_size, local_world_size)
-    return ResolvedRun(cfg, layout, cfg.accumulation_steps(world_size, layout.group_size))
+    return ResolvedRun(cfg, layout, cfg.accumulation_steps(world_size, layout_group_size(layout)))

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..graph_fit import topology_problem
+from ..group_layout import GroupLayout, make_group_layout
 from ..topology import Layout, make_layout
 from .checkpoint import CheckpointConfig
 from .cluster import ClusterConfig
@@ -14,8 +15,14 @@ from .finite import nonfinite_fields, nonfinite_in_json
 from .model import ModelConfig
 from .parallel import FederationConfig, ParallelConfig
 from .training import TrainingConfig
+from .unequal_groups import unequal_group_problems
 
 SECTIONS = ("model", "parallel", "federation", "training", "data", "checkpoint", "cluster")
+
+
+def layout_group_size(layout: Layout | GroupLayout) -> Optional[int]:
+    """G of a layout of equal groups; None when the groups differ in size."""
+    return None if isinstance(layout, GroupLayout) else layout.group_size
 
 
 @dataclass
@@ -44,9 +51,18 @@ class RunConfig:
             out["deepspeed"] = self.deepspeed
         return out
 
-    def layout(self, world_size: int, local_world_size: Optional[int] = None) -> Layout:
-        """Resolve and validate the rank layout for `world_size` ranks."""
+    def layout(self, world_size: int, local_world_size: Optional[int] = None) -> Layout | GroupLayout:
+        """Resolve and validate the rank layout for `world_size` ranks: a `GroupLayout` for groups
+        of unequal size (--fl-group-sizes), today's `Layout` when they are equal."""
         ranks_per_node = self.parallel.ranks_per_node or local_world_size
+        unequal = self.federation.unequal_sizes
+        if unequal is not None:
+            sizes, shards = unequal
+            if sum(sizes) != world_size:
+                raise ValueError(f"group_sizes={self.federation.group_sizes!r} holds {sum(sizes)} ranks but the job "
+                                 f"has {world_size}")
+            layout = make_group_layout(sizes, ranks_per_node, shards)
+            return layout.as_equal_layout() if layout.is_equal else layout
         return make_layout(world_size, ranks_per_node=ranks_per_node,
                            group_size=self.federation.group_size, num_groups=self.federation.num_groups,
                            shard_size=self.federation.hsdp_shard_size)
@@ -96,16 +112,21 @@ class RunConfig:
         for name in SECTIONS:
             getattr(self, name).validate()
         layout = self.layout(world_size, local_world_size)
-        accumulation = self.accumulation_steps(world_size, layout.group_size)
+        if isinstance(layout, GroupLayout):
+            problems = unequal_group_problems(self.parallel.backend, self.federation, self.checkpoint)
+            if problems:
+                raise ValueError(f"groups of unequal size ({self.federation.group_sizes}) cannot run this "
+                                 "configuration yet: " + "; ".join(problems))
+        group_size = layout_group_size(layout)
+        accumulation = self.accumulation_steps(world_size, group_size)
         if self.deepspeed is not None and self.parallel.backend != "deepspeed":
             raise ValueError(f"a DeepSpeed config was given but backend={self.parallel.backend!r}; "
                              "drop --backend or use --backend deepspeed")
-        problem = train_batch_problem(self.deepspeed, self.training.micro_batch_size, accumulation,
-                                      layout.group_size)
+        problem = train_batch_problem(self.deepspeed, self.training.micro_batch_size, accumulation, group_size)
         if problem:
             raise ValueError(problem)
         hpz = ((self.deepspeed or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1)
-        if not isinstance(hpz, int) or hpz < 1 or layout.shard_size % hpz:
+        if not isinstance(hpz, int) or hpz < 1 or (group_size and layout.shard_size % hpz):
             raise ValueError(f"zero_optimization.zero_hpz_partition_size={hpz!r} must divide the ZeRO-3 "
                              f"group ({layout.shard_size} ranks: the federation group, or the HSDP shard "
                              "group), so that ZeRO++'s secondary copies stay inside it")

@@ -6,8 +6,9 @@ tuple, packed into buckets, in the plan's sorted order of tuples on every rank (
 no two ranks wait on each other's later collective, on NCCL's one stream as on gloo). With HSDP
 each replica then broadcasts the slices it averaged to the other replicas of its shard.
 
-fp32 only, blocking, every group contributing: the exact path. Compression, weights, sick groups
-and the overlapped exchange build on it (issue 40).
+fp32 only and blocking; groups left out (sick) send zeros and take the others' mean. Compression,
+weights and the overlapped exchange build on it (issue 40). `TensorShards` hands the engine a
+backend's shards tensor by tensor, the plan's order.
 """
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
 from .averaging import SyncStats
+from .failed_collective import call_directly
 from .ledger import CommLedger
 
 MAX_IN_FLIGHT = 2  # packed buckets alive at once
@@ -64,6 +66,32 @@ def _buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
     return out
 
 
+@dataclass
+class _Flight:
+    """One bucket's all-reduce in flight: the buffer, this rank's values before it, where they go."""
+
+    buffer: torch.Tensor
+    own: torch.Tensor
+    bucket: List[Piece]
+    work: Optional[dist.Work]
+    divisor: Optional[int]
+
+
+class TensorShards:
+    """A backend whose shards the engine takes tensor by tensor: `local_shards` is `named_shards`'
+    tensors (views, in the model's order: the atom plan's), everything else the backend's own."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+
+    def local_shards(self) -> List[torch.Tensor]:
+        """Detached views (their storage the backend's): the engine writes them in place."""
+        return [t.detach() for _, t in self._backend.named_shards()]
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+
 class AtomAverager:
     """Averages one rank's local shards (tensor t: its shard's range of tensor t, flat) over the
     atoms of `plan`."""
@@ -102,9 +130,18 @@ class AtomAverager:
             pieces += [Piece(t, a - lo, b - a) for a, b, who in self.plan.replica_runs(self.rank, t) if who == owner]
         return pieces
 
+    residuals: Dict[int, torch.Tensor] = {}  # no error feedback here (fp32): what SyncState reads and saves
+
     @torch.no_grad()
-    def average(self, shards: List[torch.Tensor]) -> SyncStats:
-        """Replace every shard by its mean over the groups, in place; returns what it moved."""
+    def average(self, shards: List[torch.Tensor], include: bool = True, contributors: Optional[int] = None,
+                mixing=None, peers=None) -> SyncStats:
+        """Replace every shard by its mean over the groups, in place; returns what it moved and the
+        sums of the variance metric. `contributors` < the number of groups: the groups with
+        `include=False` send zeros and receive the mean of the others (ShardAverager's signature;
+        `peers.call` wraps every cross-group collective)."""
+        if mixing is not None:
+            raise ValueError("groups of unequal size average over atoms: a gossip round has no peer group to mix along")
+        call = peers.call if peers is not None else call_directly
         if len(shards) != len(self.lengths):
             raise ValueError(f"{len(shards)} shards for a plan of {len(self.lengths)} tensors")
         for t, (shard, length) in enumerate(zip(shards, self.lengths)):
@@ -114,17 +151,25 @@ class AtomAverager:
                                  f"{length} contiguous fp32 elements")
         flats = [s.view(-1) for s in shards]
         stats = SyncStats()
-        in_flight: List[Tuple[torch.Tensor, List[Piece], object]] = []
+        sums = torch.zeros(2, dtype=torch.float64, device=shards[0].device if shards else "cpu")
+        in_flight: List[_Flight] = []
         for group, buckets in self.rounds:
             for bucket in buckets:
                 if len(in_flight) >= MAX_IN_FLIGHT:
-                    self._land(in_flight.pop(0), flats)
+                    self._land(in_flight.pop(0), flats, stats, sums, call)
                 buffer = self._pack(bucket, flats)
-                work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
-                in_flight.append((buffer, bucket, work))
+                own = buffer.clone()  # the variance metric's reference, and all a rolled-back sync needs here
+                if contributors is None:
+                    work = call(dist.all_reduce, buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
+                else:
+                    if not include:
+                        buffer.zero_()
+                    work = call(dist.all_reduce, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                in_flight.append(_Flight(buffer, own, bucket, work, contributors))
                 self._count(stats, buffer, "inter-group", self.peer_tier)
         while in_flight:
-            self._land(in_flight.pop(0), flats)
+            self._land(in_flight.pop(0), flats, stats, sums, call)
+        stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
         for replica, buckets in enumerate(self.replica_slices):
             for bucket in buckets:
                 buffer = self._pack(bucket, flats)
@@ -149,10 +194,16 @@ class AtomAverager:
         targets = [flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket]
         torch._foreach_copy_(targets, list(buffer.split([p.length for p in bucket])))
 
-    def _land(self, item, flats: List[torch.Tensor]) -> None:
-        buffer, bucket, work = item
-        work.wait()
-        self._unpack(buffer, bucket, flats)
+    def _land(self, item: "_Flight", flats: List[torch.Tensor], stats: SyncStats, sums: torch.Tensor, call) -> None:
+        if item.work is not None:
+            call(item.work.wait)
+        if item.divisor is not None:
+            item.buffer.div_(item.divisor)
+        # a left-out group's own values may be non-finite: they count as its distance from the mean
+        sums[0] += (item.own.double().nan_to_num(0.0, 0.0, 0.0) - item.buffer.double()).pow(2).sum()
+        sums[1] += item.buffer.double().pow(2).sum()
+        stats.samples += item.buffer.numel()
+        self._unpack(item.buffer, item.bucket, flats)
 
     def _count(self, stats: SyncStats, buffer: torch.Tensor, scope: str, tier: str) -> None:
         nbytes = buffer.numel() * buffer.element_size()

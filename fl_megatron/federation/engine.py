@@ -13,6 +13,7 @@ from ..config.parallel import FederationConfig
 from ..config.sync_mode import SyncMode
 from ..faults import kill_point, sync_delay_seconds
 from .ada import Choice, GraphSchedule
+from .atom_average import TensorShards
 from .averaging import Peers, ShardAverager
 from .consensus import Consensus, measure
 from .contract import ShardOwner
@@ -29,6 +30,7 @@ from .overlap import Overlapper
 from .result import ResultBuilder, SyncResult, metric_sums
 from .schedule import sync_due
 from .sync_state import AveragerSettings, SyncState
+from .unequal_groups import UnequalGroups, atom_averagers
 from .vote import GroupFigures, Senders, Vote, take_vote
 
 
@@ -38,16 +40,20 @@ class FederationEngine:
 
     def __init__(self, backend: ShardOwner, groups: ProcessGroups, config: FederationConfig,
                  ledger: Optional[CommLedger] = None, mode: Optional[SyncMode] = None) -> None:
-        self.backend, self.groups = backend, groups
         self.ledger = ledger if ledger is not None else CommLedger()
         settings = config.with_mode(mode) if mode is not None else config
         layout = groups.layout
         # the exchange runs on communicators of its own where there are some (an overlapped sync's thread)
         peer = groups.exchange_peer or groups.peer
         replica = (groups.exchange_replica or groups.replica) if layout.is_hsdp else None
+        atoms = None
+        if isinstance(groups, UnequalGroups) and layout.is_federated:  # no peer group: average atom by atom
+            backend = TensorShards(backend)
+            atoms = atom_averagers(groups, backend, int(config.bucket_mb * (1 << 20)), self.ledger)
+        self.backend, self.groups = backend, groups
         self.averaging = AveragerSettings(peer, layout.num_groups, replica, layout.replicas, groups.coords[1],
                                           config.replica_split, int(config.bucket_mb * (1 << 20)), self.ledger,
-                                          groups.tier("peer"), groups.tier("replica"))
+                                          groups.tier("peer"), groups.tier("replica"), atoms)
         active = layout.is_federated and config.syncing
         if active and settings.overlap_steps:
             self._check_exchange_groups("--fl-overlap-steps")
@@ -189,7 +195,7 @@ class FederationEngine:
         """The vote (kept in `self.vote`) and who sends, from it."""
         layout, group = self.groups.layout, self.groups.coords[0]
         self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
-                              self.config.sick_loss_ratio, self.groups.federation, self.groups.peer,
+                              self.config.sick_loss_ratio, self.groups.federation, self.groups.reduce_across_groups,
                               self._device_of(shards), peers.call)
         return Senders.of(self.vote, membership.groups, group, vote_failed=has_failed(peers.call))
 

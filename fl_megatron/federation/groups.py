@@ -7,6 +7,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .failed_collective import call_directly
 from .membership import Membership, whole_federation
 from .transaction import OneWorldTransaction
 from ..topology import (MESH_DIM_NAMES, Layout, coords, federation_groups, mesh_shape, peer_groups, replica_groups,
@@ -78,6 +79,11 @@ class ProcessGroups:
     def report_error(self, error: Exception) -> None:
         """A collective of this sync failed; in one world the error ends the job (training.failures)."""
         raise error
+
+    def reduce_across_groups(self, tensor, op=dist.ReduceOp.SUM, call=call_directly) -> None:
+        """Reduce `tensor`, the same on every rank of each group, across the groups in place: over
+        this rank's peer group (in elastic mode the quorum's), through `call`."""
+        call(dist.all_reduce, tensor, op=op, group=self.peer)
 
     def all_reduce_job(self, tensor, op=dist.ReduceOp.SUM) -> None:
         """Reduce `tensor` over every rank of the job in place without a world collective: inside

@@ -20,7 +20,8 @@ from .outer import OuterOptimizer
 @dataclass(frozen=True)
 class AveragerSettings:
     """What every averager of a rank shares: its default peer group, the HSDP replica group and
-    split, the bucket size, the ledger and the network tiers."""
+    split, the bucket size, the ledger and the network tiers (or, for groups of unequal size, what
+    makes their averager)."""
 
     peer: object
     num_groups: int
@@ -32,8 +33,14 @@ class AveragerSettings:
     ledger: CommLedger
     peer_tier: str
     replica_tier: str
+    # groups of unequal size: makes the atom plan's averager (fp32 only), which replaces ShardAverager
+    atoms: Optional[Callable[[], object]] = None
 
     def make(self, sync_dtype: str = "fp32", error_feedback: bool = False) -> ShardAverager:
+        if self.atoms is not None:
+            if sync_dtype != "fp32":
+                raise ValueError(f"groups of unequal size average in fp32 only, not {sync_dtype}")
+            return self.atoms()
         return ShardAverager(self.peer, self.num_groups, replica_group=self.replica, replicas=self.replicas,
                              replica_index=self.replica_index, replica_split=self.replica_split,
                              bucket_bytes=self.bucket_bytes, ledger=self.ledger, peer_tier=self.peer_tier,

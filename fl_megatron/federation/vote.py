@@ -1,8 +1,9 @@
 """The vote at a sync, before any data moves: which federation groups are sick, every group's
 figures of the step (loss, gradient norm) and whether any rank asked to stop.
 
-Two tiny all-reduces (MAX): inside the federation group (its ranks' flags), then over the peer
-group (one rank of every group), so every rank of the job ends with the same vote and no
+Two tiny all-reduces (MAX): inside the federation group (its ranks' flags), then across the groups
+(over the peer group, one rank of every group; with groups of unequal size over the groups' first
+ranks, who pass it on to their group), so every rank of the job ends with the same vote and no
 collective spans the job. Each group fills its own slots of the peer vector; the others hold
 -inf, so MAX gathers the groups' figures (in elastic mode the slots of absent groups stay -inf).
 In elastic mode --fl-tune's choice rides here too: each group brings the mode it chose, and the
@@ -11,7 +12,7 @@ lowest-numbered group that chose one decides for all who met.
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,11 +93,20 @@ def _slot(value: Optional[float]) -> float:
     return value if math.isfinite(value) else math.inf
 
 
+def across_peer_group(peer_group) -> Callable:
+    """The vote's reduction across groups over a peer group (one rank of every group per rank)."""
+    def reduce(tensor: torch.Tensor, op, call=call_directly) -> None:
+        call(dist.all_reduce, tensor, op=op, group=peer_group)
+    return reduce
+
+
 def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, group: int, num_groups: int,
-              loss_ratio: float, federation_group, peer_group, device_type: str, peer_call=call_directly) -> Vote:
+              loss_ratio: float, federation_group, across, device_type: str, peer_call=call_directly) -> Vote:
     """The vote of sync `step`. Sick: a non-finite value in any shard of the group, a non-finite
-    loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's. The
-    collective over the peer group goes through `peer_call` (elastic mode: the sync's PeerLatch)."""
+    loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's. `across(
+    tensor, op, call)` reduces the group's table across the groups (`across_peer_group`, or
+    `ProcessGroups.reduce_across_groups`); its collective goes through `peer_call` (elastic mode:
+    the sync's PeerLatch)."""
     mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
                          float(figures.healing), *_mode_slots(figures.tune_choice), float(figures.signalled),
                          float(figures.timed_out)], dtype=torch.float64, device=device_type)
@@ -105,7 +115,7 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     table = torch.full((per_group * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
     table[[k * num_groups + group for k in range(per_group)]] = mine[:per_group]
     table[per_group * num_groups:] = mine[per_group:]
-    peer_call(dist.all_reduce, table, op=dist.ReduceOp.MAX, group=peer_group)
+    across(table, dist.ReduceOp.MAX, peer_call)
     values = table.tolist()
     bad, losses, norms, healing, *modes = (values[k * num_groups:(k + 1) * num_groups] for k in range(per_group))
     chosen = (_slots_mode([m[g] for m in modes]) for g in range(num_groups))

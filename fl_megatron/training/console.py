@@ -4,6 +4,7 @@ import sys
 
 from ..config.parallel import FederationConfig
 from ..config.training import TrainingConfig
+from ..group_layout import group_sizes_of
 from ..topology import Layout
 
 
@@ -38,8 +39,10 @@ def say(text: str, enabled: bool = True) -> None:
 def batch_line(t: TrainingConfig, accum: int, layout: Layout) -> str:
     """Samples per rank, per group step and over all ranks (banner and dry run)."""
     per_rank = t.micro_batch_size * accum
+    sizes = sorted(set(group_sizes_of(layout)[0]), reverse=True)
+    per_group = "/".join(str(per_rank * g) for g in sizes) + (" (by group size)" if len(sizes) > 1 else "")
     return (f"  batch: micro {t.micro_batch_size} x {accum} accumulation = {per_rank} samples per rank, "
-            f"{per_rank * layout.group_size} per group step, {per_rank * layout.world_size} over all ranks "
+            f"{per_group} per group step, {per_rank * layout.world_size} over all ranks "
             f"({per_rank * layout.world_size * t.seq_length:,} tokens of seq {t.seq_length} per step)")
 
 

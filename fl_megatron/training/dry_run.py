@@ -17,8 +17,10 @@ from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_ran
                      saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm, sync_state_bytes, sync_state_shards,
                      working_bytes)
 from ..models import build_model
+from ..group_layout import GroupLayout, group_sizes_of
 from ..topology import Layout
 from .console import batch_line, federation_line
+from .dry_run_unequal import unequal_dry_run_lines
 from .meetings import meeting_lines
 
 
@@ -33,6 +35,13 @@ def _breakdown_lines(title: str, breakdown) -> list[str]:
     lines.append(f"    total per rank: {format_bytes(breakdown.total_bytes)} "
                  f"(intra-node {format_bytes(tiers['intra-node'])}, inter-node {format_bytes(tiers['inter-node'])})")
     return lines
+
+
+def _model_line(cfg: RunConfig, num_params: int) -> str:
+    m = cfg.model
+    return (f"  model: {cfg.preset or m.arch}, {num_params:,} parameters ({m.num_layers} layers, hidden "
+            f"{m.hidden_size}, ffn {m.ffn_hidden_size}, heads {m.num_attention_heads}/{m.kv_heads} kv, vocab "
+            f"{m.vocab_size})")
 
 
 def _backend_line(cfg: RunConfig, layout: Layout) -> str:
@@ -55,9 +64,10 @@ def _backend_line(cfg: RunConfig, layout: Layout) -> str:
     return f"  backend: PyTorch FSDP2 over {mesh} ranks"
 
 
-def _checkpoint_line(cfg: RunConfig, layout: Layout, num_params: int) -> str:
+def _checkpoint_line(cfg: RunConfig, layout: Layout | GroupLayout, num_params: int) -> str:
     """Checkpoint size in both modes (the chosen one marked)."""
-    outer = saved_outer_copies(cfg.federation, layout.num_groups, layout.replicas)
+    replicas = [g // s for g, s in zip(*group_sizes_of(layout))]
+    outer = saved_outer_copies(cfg.federation, layout.num_groups, 1) * sum(replicas) // len(replicas)
     sizes = checkpoint_bytes(num_params, layout.num_groups, cfg.training.optimizer, cfg.training.sgd_momentum,
                              outer_copies=outer)
     chosen = cfg.checkpoint.ckpt_mode
@@ -180,6 +190,11 @@ def dry_run_report(run: ResolvedRun) -> str:
     m, t, fed = cfg.model, cfg.training, cfg.federation
     counts, largest = model_sizes(m)
     num_params = counts[0]
+    if isinstance(layout, GroupLayout):
+        return "\n".join(["fl-megatron dry run (no processes started)",
+                          *("  " + line for line in layout.describe().splitlines()),
+                          _model_line(cfg, num_params), *unequal_dry_run_lines(run, num_params, largest, memory_estimate),
+                          *_start_lines(run), _checkpoint_line(cfg, layout, num_params)])
     param_bytes = working_bytes(t.bf16)
     memory = run_memory_estimate(run, counts, largest)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
@@ -196,8 +211,7 @@ def dry_run_report(run: ResolvedRun) -> str:
     lines = [
         "fl-megatron dry run (no processes started)",
         *("  " + line for line in layout.describe().splitlines()),
-        f"  model: {cfg.preset or m.arch}, {num_params:,} parameters ({m.num_layers} layers, hidden "
-        f"{m.hidden_size}, ffn {m.ffn_hidden_size}, heads {m.num_attention_heads}/{m.kv_heads} kv, vocab {m.vocab_size})",
+        _model_line(cfg, num_params),
         _backend_line(cfg, layout),
         batch_line(t, accum, layout),
         federation_line(layout, fed),

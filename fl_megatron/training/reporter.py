@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..config import ResolvedRun
 from ..federation import CommLedger, SyncResult
+from ..group_layout import group_sizes_of, layout_record
 from .console import format_duration, progress_line, say
 from .dashboards import RunRecords
 from .memory import peak_memory_bytes, peak_memory_kind
@@ -74,7 +75,7 @@ class Reporter:
         vote = self.engine.vote if self.engine.vote is not None and self.engine.vote.step == done else None
         if figures is not None and (self.group_writer or not self.federated):
             steps, seconds = self.intervals[0].take(now)
-            group_tokens = per_step // self.run.layout.num_groups
+            group_tokens = per_step // self.run.world_size * group_sizes_of(self.run.layout)[0][self.group]
             record = step_record(done, per_step, elapsed, figures.loss, figures.grad_norm, outcome.lr,
                                  steps * group_tokens / max(seconds, 1e-9), sync, self.ledger.snapshot(), seconds)
             if self.federated:
@@ -153,9 +154,7 @@ class Reporter:
             "peak_memory_bytes_per_rank": [int(p.item()) for p in peaks],
             "peak_memory_kind": peak_memory_kind(self.device),
             "last_sync_step": self.engine.last_synced_step,
-            "layout": {"world_size": layout.world_size, "ranks_per_node": layout.ranks_per_node,
-                       "group_size": layout.group_size, "num_groups": layout.num_groups,
-                       "hsdp_shard_size": layout.shard_size, "replicas": layout.replicas,
+            "layout": {**(record := layout_record(layout)), "replicas": record["group_size"] // record["hsdp_shard_size"],
                        "sync_interval": self.engine.config.sync_interval if self.engine.active else 0},
             **self.session.summary(),
         }

@@ -115,8 +115,9 @@ def group_records(run_dir) -> dict[int, list[dict]]:
 def logged_steps(run_dir) -> list[dict]:
     """One record per logged step over the whole federation. A single group's are metrics.jsonl's;
     in a federated run each step that every group logged is group 0's record with `loss` and
-    `grad_norm` replaced by their means over the groups (so over all ranks: groups are of equal
-    size) and `group_losses` added. Read after the run: the groups never met to write it."""
+    `grad_norm` replaced by their means over the groups (over all ranks where the groups are of
+    equal size; groups of unequal size count alike) and `group_losses` added. Read after the run:
+    the groups never met to write it."""
     groups = group_records(run_dir)
     if not groups:
         return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]

@@ -9,6 +9,8 @@ import torch
 
 from ..config import ResolvedRun
 from ..federation import SyncResult, build_process_groups
+from ..federation.unequal_groups import build_unequal_groups
+from ..group_layout import GroupLayout
 
 
 class OneWorldSession:
@@ -25,6 +27,10 @@ class OneWorldSession:
         where a sync may run in the background (an overlap, or --fl-tune's trial of one)."""
         cfg = self.run.cfg
         fed = cfg.federation
+        if isinstance(self.run.layout, GroupLayout):  # groups of unequal size: no rectangular mesh
+            self.groups = build_unequal_groups(self.run.layout, device_type, timeout,
+                                               async_checkpoint=cfg.checkpoint.async_save)
+            return self.groups
         self.groups = build_process_groups(self.run.layout, device_type, timeout,
                                            exchange=bool(fed.overlap_steps) or (fed.tune and fed.tune_overlap),
                                            async_checkpoint=cfg.checkpoint.async_save)
@@ -33,8 +39,10 @@ class OneWorldSession:
     def link_probe_scope(self) -> Optional[str]:
         """What the start-up link probe covers: every tier ("job") in a federated run that syncs,
         unless turned off (None)."""
-        fed = self.run.cfg.federation
-        return "job" if self.run.layout.is_federated and fed.syncing and fed.link_probe else None
+        fed, layout = self.run.cfg.federation, self.run.layout
+        # groups of unequal size have no peer group for the probe to time (docs/heterogeneous.md)
+        probes = layout.is_federated and fed.syncing and fed.link_probe and not isinstance(layout, GroupLayout)
+        return "job" if probes else None
 
     def join(self, backend, engine, loaded: int, start_step: int, tuner=None) -> int:
         """Every group starts together: the step to start from is the one resumed."""

@@ -124,7 +124,7 @@ class Trainer:
         stats = torch.cat([figures, torch.tensor(requests, dtype=torch.float32, device=self.device)])
         dist.all_reduce(stats, group=self.groups.federation)
         total_loss, total_norm, signalled, timed_out = stats.tolist()
-        size = self.layout.group_size
+        size = self.groups.layout.group_size  # this rank's group (groups may differ in size)
         return GroupFigures(total_loss / size, total_norm / size, signalled > 0, timed_out > 0)
 
     def _agrees_in_group(self) -> bool:

@@ -1,0 +1,32 @@
+"""What a federation of groups of unequal size (--fl-group-sizes) runs today, and what it refuses
+with the reason: the rest of issue 40 lifts these one by one (docs/heterogeneous.md)."""
+
+from .checkpoint import CheckpointConfig
+from .parallel import FederationConfig
+
+
+def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: CheckpointConfig) -> list[str]:
+    """Every setting a layout of unequal groups cannot run yet, each with why."""
+    problems = []
+    if backend != "fsdp2":
+        problems.append(f"backend {backend}: the atom plan needs each rank's element ranges of every parameter, "
+                        "which only the fsdp2 backend gives so far (DeepSpeed's flat partitions and megatron's "
+                        "buffer map are next)")
+    if fed.sync_dtype != "fp32":
+        problems.append(f"sync_dtype {fed.sync_dtype}: compressed syncs need their scales per owner tuple; only "
+                        "fp32 averages groups of unequal size so far")
+    if fed.fragments > 1:
+        problems.append(f"fragments {fed.fragments}: fragments are cut from the local shards, which differ "
+                        "between groups of unequal size")
+    if fed.overlap_steps:
+        problems.append("overlap_steps: an overlapped sync needs a second set of atom communicators")
+    if fed.gossip or fed.dbench_metrics:
+        problems.append(f"topology {fed.topology}{' with DBench metrics' if fed.dbench_metrics else ''}: gossip and "
+                        "the consensus metrics pair the ranks of a peer group, which groups of unequal size lack")
+    if fed.tune:
+        problems.append("tune: its probe and trial exchange time a peer group, which groups of unequal size lack")
+    if fed.inner_state == "average":
+        problems.append("inner_state average: the inner moments would need the atom plan of the optimizer's state")
+    if checkpoint.save and checkpoint.ckpt_mode == "compact":
+        problems.append("ckpt_mode compact: it saves group 0's state for every group, whose shards differ here")
+    return problems

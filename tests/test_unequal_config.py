@@ -1,0 +1,82 @@
+"""Groups of unequal size from flags to layout, refusals, dry run and checkpoint metadata: no
+processes (the training itself is tests/test_unequal_training.py)."""
+
+import math
+
+import pytest
+
+from fl_megatron.atom_plan import plan_for_shapes
+from fl_megatron.checkpoint.metadata import build_metadata, source_groups
+from fl_megatron.config import resolve
+from fl_megatron.config.flags import parse_args
+from fl_megatron.config.sync_mode import SyncMode
+from fl_megatron.group_layout import GroupLayout, recorded_group_sizes
+from fl_megatron.models import build_model
+from fl_megatron.pretrain import main
+from fl_megatron.topology import make_layout
+
+
+def _run(*flags, world=12):
+    cfg, _ = parse_args(["--ranks-per-node", "4", *flags])
+    return resolve(cfg, world)
+
+
+def test_group_sizes_give_a_layout_of_unequal_groups_and_equal_sizes_today_s_layout():
+    run = _run("--fl-group-sizes", "8,4", "--fl-hsdp-shard-sizes", "4,4")
+    assert isinstance(run.layout, GroupLayout)
+    assert [(g.first_rank, g.size, g.shard_size) for g in run.layout.groups] == [(0, 8, 4), (8, 4, 4)]
+    assert run.layout.seen_from(9).group_size == 4 and run.layout.seen_from(3).replicas == 2
+    assert _run("--fl-group-sizes", "4,4,4").layout == make_layout(12, 4, 4)
+    assert _run("--fl-group-sizes", "4,4,4", "--fl-hsdp-shard-sizes", "2,2,2").layout == make_layout(12, 4, 4, shard_size=2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--fl-group-sizes", "8,x"), "'x' is not one"),
+    (("--fl-group-sizes", "8,0"), "'0' is not one"),
+    (("--fl-group-sizes", "8,4", "--fl-group-size", "4"), "group_sizes replaces group_size=4"),
+    (("--fl-hsdp-shard-sizes", "2,2"), "hsdp_shard_sizes needs group_sizes"),
+    (("--fl-group-sizes", "8,4", "--fl-hsdp-shard-sizes", "4"), "1 values for 2 groups"),
+    (("--fl-group-sizes", "8,2"), "holds 10 ranks but the job has 12"),
+    (("--fl-group-sizes", "6,6"), "must cover whole nodes of 4 ranks"),
+    (("--fl-group-sizes", "8,4", "--backend", "deepspeed"), "backend deepspeed: the atom plan needs"),
+    (("--fl-group-sizes", "8,4", "--fl-sync-dtype", "int8"), "sync_dtype int8"),
+    (("--fl-group-sizes", "8,4", "--fl-fragments", "2"), "fragments 2"),
+    (("--fl-group-sizes", "8,4", "--fl-overlap-steps", "1"), "overlap_steps"),
+    (("--fl-group-sizes", "8,4", "--fl-topology", "ring"), "topology ring"),
+    (("--fl-group-sizes", "8,4", "--fl-tune"), "tune: its probe"),
+    (("--fl-group-sizes", "8,4", "--fl-inner-state", "average"), "inner_state average"),
+])
+def test_what_groups_of_unequal_size_refuse_is_named(flags, message):
+    with pytest.raises(ValueError) as e:
+        _run(*flags)
+    assert message in str(e.value)
+
+
+def test_the_dry_run_prints_each_group_and_the_atom_plan_s_cost(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "12")
+    args = ["--dry-run", "--world-size", "12", "--ranks-per-node", "4", "--fl-group-sizes", "8,4",
+            "--model", "llama-tiny"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 federation groups of unequal size (8+4)" in out
+    assert "group 1: 4 ranks (8-11, node 2), FSDP over 4" in out
+    assert "32/16 (by group size) per group step" in out
+    # against a count from the shapes alone: with FSDP in every group a rank averages its whole shard,
+    # and FSDP2 gives a group's rank 0 the most, ceil(rows / S) rows of every tensor
+    shapes = [tuple(p.shape) for p in build_model(parse_args(args)[0].model, "meta").parameters()]
+    for f, size in enumerate((8, 4)):
+        most = sum(math.prod(s) // s[0] * min(-(-s[0] // size), s[0]) for s in shapes)
+        assert f"group {f}: {size} ranks (FSDP {size}), up to {most:,} elements" in out
+    plan = plan_for_shapes(_run("--fl-group-sizes", "8,4").layout.groups, shapes, "fsdp2")
+    assert f"{len(plan.owner_tuples()):,} communicators across groups" in out
+
+
+def test_checkpoint_metadata_records_every_group_and_resumes_only_into_the_same(tmp_path):
+    run = _run("--fl-group-sizes", "8,4")
+    meta = build_metadata(run, 4, 4, True, "exact", [0, 1], SyncMode("fp32", 0, 1, 8, False))
+    assert recorded_group_sizes(meta["layout"]) == ((8, 4), (8, 4))
+    assert source_groups(meta, run) == ([0, 1], [])
+    with pytest.raises(ValueError, match="groups 8\\+4 sharded 8\\+4 .* vs groups 4\\+8 sharded 4\\+8"):
+        source_groups(meta, _run("--fl-group-sizes", "4,8"))
+    with pytest.raises(ValueError, match="groups of unequal size resume only into the same groups"):
+        source_groups(meta, _run("--fl-group-size", "4"))

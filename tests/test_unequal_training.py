@@ -1,0 +1,94 @@
+"""Training in groups of unequal size end to end (6 CPU ranks, gloo, FSDP2): a federation of a
+4-rank and a 2-rank group against the same two groups trained independently (syncing off, the
+same seeds and data), whose mean is what every sync must give, bit for bit in fp32."""
+
+import pytest
+import torch
+
+from fl_megatron.local_ranks import run_ranks
+from fl_test_utils import make_trainer, tiny_config
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _config(run_dir, cache, sizes="4,2", shards="", **kwargs):
+    cfg = tiny_config(run_dir, cache, group_size=None, **kwargs)
+    cfg.federation.group_sizes, cfg.federation.hsdp_shard_sizes = sizes, shards
+    cfg.parallel.ranks_per_node = 6
+    return cfg
+
+
+def _full(trainer) -> dict:
+    return {k: v.tolist() for k, v in trainer.backend.full_state_dict().items()}
+
+
+def _job(rank, world, tmp, cache):
+    out = {}
+    for case, shards in (("fsdp", ""), ("hsdp", "2,1")):
+        # the reference: the groups alone, two steps each
+        alone = make_trainer(_config(f"{tmp}/{case}/alone", cache, shards=shards, sync_interval=0, steps=2))
+        alone.train()
+        out[f"{case}_alone"] = (alone.group, _full(alone))
+        alone.close()
+        # the federation: H = 2, so a sync after step 2 (the last)
+        fed = make_trainer(_config(f"{tmp}/{case}/fed", cache, shards=shards, sync_interval=2, steps=4))
+        fed.step(0)
+        out[f"{case}_after_1"] = _full(fed)
+        fed.step(1)
+        out[f"{case}_after_2"] = _full(fed)
+        fed.close()
+    # an outer optimizer (nesterov) over atoms: the groups end identical after every sync
+    nesterov = _config(f"{tmp}/nesterov", cache, sync_interval=2, steps=4, optimizer="adamw", lr=1e-3)
+    nesterov.federation.outer_optimizer = "nesterov"
+    trainer = make_trainer(nesterov)
+    trainer.train()
+    out["nesterov_end"] = _full(trainer)
+    trainer.close()
+    return out
+
+
+def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(tmp_path):
+    results = run_ranks(6, _job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    for case in ("fsdp", "hsdp"):
+        alone = {}
+        for r in results:
+            group, state = r[f"{case}_alone"]
+            alone.setdefault(group, state)
+        a, b = ({k: torch.tensor(v) for k, v in alone[g].items()} for g in (0, 1))
+        assert any(not torch.equal(a[k], b[k]) for k in a)  # the groups trained apart
+        for rank, r in enumerate(results):
+            after = {k: torch.tensor(v) for k, v in r[f"{case}_after_2"].items()}
+            for k in a:
+                assert torch.equal(after[k], (a[k] + b[k]) / 2), (case, rank, k)
+        # between syncs each group holds its own model: step 1's states differ across the groups
+        first = {g: r[f"{case}_after_1"] for g, r in zip((0, 0, 0, 0, 1, 1), results)}
+        assert first[0] != first[1]
+    ends = [r["nesterov_end"] for r in results]
+    assert all(e == ends[0] for e in ends)
+
+
+def test_a_run_of_groups_of_4_and_2_ranks_resumes_exactly_and_exports(tmp_path):
+    """torchrun, the flags a user gives: nesterov over atoms, a checkpoint at step 4 (the run
+    stopped there) resumed to step 6 with the uninterrupted run's losses bit for bit; the summary
+    records every group; the checkpoint exports to Hugging Face."""
+    import json
+    import subprocess
+    import sys
+
+    from cli_utils import launch, step_records
+
+    cache, ckpt = tmp_path / "cache", str(tmp_path / "ckpt")
+    flags = ("--train-iters", "6", "--fl-group-sizes", "4,2", "--fl-sync-interval", "2", "--ranks-per-node", "6",
+             "--optimizer", "adamw", "--lr", "1e-3", "--fl-outer-optimizer", "nesterov")
+    runs = {"whole": (), "first": ("--exit-interval", "4", "--save", ckpt, "--save-interval", "2"),
+            "rest": ("--save", ckpt, "--load", ckpt)}
+    for name, extra in runs.items():
+        proc = launch(6, tmp_path / name, cache, *flags, *extra, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = {name: {r["step"]: r["group_losses"] for r in step_records(tmp_path / name)} for name in ("whole", "rest")}
+    assert sorted(losses["rest"]) == [5, 6] and all(losses["whole"][k] == v for k, v in losses["rest"].items())
+    layout = json.loads((tmp_path / "whole" / "summary.json").read_text())["layout"]
+    assert (layout["group_sizes"], layout["hsdp_shard_sizes"], layout["num_groups"]) == ([4, 2], [4, 2], 2)
+    export = subprocess.run([sys.executable, "tools/convert_checkpoint_to_hf.py", "--checkpoint", ckpt, "--output",
+                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0 and (tmp_path / "hf" / "config.json").exists(), export.stderr[-2000:]
