@@ -1,6 +1,9 @@
 """Training in groups of unequal size end to end (6 CPU ranks, gloo, FSDP2): a federation of a
 4-rank and a 2-rank group against the same two groups trained independently (syncing off, the
-same seeds and data), whose mean is what every sync must give, bit for bit in fp32."""
+same seeds and data), whose mean is what every sync must give, bit for bit in fp32; a sick group
+left out takes the other's state, and a run resumes exactly."""
+
+import os
 
 import pytest
 import torch
@@ -37,6 +40,14 @@ def _job(rank, world, tmp, cache):
         fed.step(1)
         out[f"{case}_after_2"] = _full(fed)
         fed.close()
+    # group 1 turns sick (a NaN in its shards after step 2): the sync leaves it out, every rank takes group 0's
+    os.environ["FL_MEGATRON_FAULT"] = "nan-shard:1@2"
+    sick = make_trainer(_config(f"{tmp}/sick", cache, sync_interval=2, steps=4))
+    sick.step(0)
+    out["sick_sync"] = sick.step(1).sync.sick_groups
+    out["sick_after_2"] = _full(sick)
+    sick.close()
+    del os.environ["FL_MEGATRON_FAULT"]
     # an outer optimizer (nesterov) over atoms: the groups end identical after every sync
     nesterov = _config(f"{tmp}/nesterov", cache, sync_interval=2, steps=4, optimizer="adamw", lr=1e-3)
     nesterov.federation.outer_optimizer = "nesterov"
@@ -63,6 +74,8 @@ def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(
         # between syncs each group holds its own model: step 1's states differ across the groups
         first = {g: r[f"{case}_after_1"] for g, r in zip((0, 0, 0, 0, 1, 1), results)}
         assert first[0] != first[1]
+    group_0_alone = next(r["fsdp_alone"][1] for r in results if r["fsdp_alone"][0] == 0)
+    assert all(r["sick_sync"] == (1,) and r["sick_after_2"] == group_0_alone for r in results)
     ends = [r["nesterov_end"] for r in results]
     assert all(e == ends[0] for e in ends)
 
