@@ -38,8 +38,12 @@ def _positive(name: str, value) -> Optional[str]:
 
 
 def group_layout_problems(group_sizes: Sequence[int], shard_sizes: Sequence[int],
-                          ranks_per_node: int) -> List[str]:
-    """Every reason the sizes do not form a valid layout of unequal groups (empty: valid)."""
+                          ranks_per_node: int, node_sizes: Sequence[int] = ()) -> List[str]:
+    """Every reason the sizes do not form a valid layout of unequal groups (empty: valid).
+    `node_sizes`: each group's ranks per node where the sites differ (then every group covers
+    whole nodes of its own size)."""
+    if node_sizes:
+        return _site_problems(group_sizes, shard_sizes, node_sizes)
     problems = [p for p in [_positive("ranks_per_node", ranks_per_node)] if p]
     if len(group_sizes) < 1:
         problems.append("no group sizes given")
@@ -65,18 +69,54 @@ def group_layout_problems(group_sizes: Sequence[int], shard_sizes: Sequence[int]
     return problems
 
 
+def _site_problems(group_sizes: Sequence[int], shard_sizes: Sequence[int], node_sizes: Sequence[int]) -> List[str]:
+    """`group_layout_problems` where each group has nodes of its own size."""
+    problems = [f"{len(node_sizes)} node sizes for {len(group_sizes)} groups: give one per group"] \
+        if len(node_sizes) != len(group_sizes) else []
+    problems += [p for f, n in enumerate(node_sizes) if (p := _positive(f"ranks per node of group {f}", n))]
+    if problems:
+        return problems
+    for f, (g, s, n) in enumerate(zip(group_sizes, shard_sizes, node_sizes)):
+        if g % s:
+            problems.append(f"group {f}: shard size {s} does not divide its size {g}")
+        elif g % n:
+            problems.append(f"group {f} ({g} ranks) must cover whole nodes of its {n} ranks per node")
+        elif s < g and (s % n if s >= n else n % s):
+            problems.append(f"group {f}: its shard groups of {s} ranks would straddle its nodes of {n} ranks "
+                            f"(give a multiple or a divisor of {n})")
+    return problems
+
+
 @dataclass(frozen=True)
 class GroupLayout(WorldShape):
-    """A validated layout of F groups of sizes `group_sizes`, sharded over `shard_sizes`."""
+    """A validated layout of F groups of sizes `group_sizes`, sharded over `shard_sizes`, on nodes
+    of `ranks_per_node` ranks, or of `node_sizes[f]` ranks in group f (sites that differ)."""
 
     ranks_per_node: int
     group_sizes: Tuple[int, ...]
     shard_sizes: Tuple[int, ...]
+    node_sizes: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        problems = group_layout_problems(self.group_sizes, self.shard_sizes, self.ranks_per_node)
+        problems = group_layout_problems(self.group_sizes, self.shard_sizes, self.ranks_per_node, self.node_sizes)
         if problems:
             raise ValueError("invalid layout of groups:\n  - " + "\n  - ".join(problems))
+
+    def node_size(self, group: int) -> int:
+        """Ranks per node of `group`'s nodes."""
+        return self.node_sizes[group] if self.node_sizes else self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node holding global `rank` (nodes numbered in rank order over every group)."""
+        if not self.node_sizes:
+            return rank // self.ranks_per_node
+        f = self.group_of(rank)
+        before = sum(g // n for g, n in zip(self.group_sizes[:f], self.node_sizes))
+        return before + (rank - self.groups[f].first_rank) // self.node_sizes[f]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.node_of(self.world_size - 1) + 1
 
     @property
     def world_size(self) -> int:
@@ -103,7 +143,7 @@ class GroupLayout(WorldShape):
 
     @property
     def is_equal(self) -> bool:
-        return len(set(self.group_sizes)) == 1 and len(set(self.shard_sizes)) == 1
+        return len(set(self.group_sizes)) == 1 and len(set(self.shard_sizes)) == 1 and len(set(self.node_sizes)) <= 1
 
     def group_of(self, rank: int) -> int:
         """The group holding global `rank`."""
@@ -126,14 +166,15 @@ class GroupLayout(WorldShape):
 
     def seen_from(self, rank: int) -> "RankLayout":
         """The layout as rank `rank`'s own group sees it (what a backend and the trainer read)."""
-        g = self.groups[self.group_of(rank)]
-        return RankLayout(self, self.group_of(rank), g.size, g.shard_size)
+        f = self.group_of(rank)
+        return RankLayout(self, f, self.groups[f].size, self.groups[f].shard_size)
 
     def describe(self) -> str:
         """The banner's lines: the world, then a line per group."""
         n = self.world_size
+        per_node = "/".join(map(str, self.node_sizes)) if self.node_sizes else min(self.ranks_per_node, n)
         head = (f"{n} ranks on {self.num_nodes} node{'s' * (self.num_nodes != 1)} x "
-                f"{min(self.ranks_per_node, n)}, {self.num_groups} federation groups of unequal size "
+                f"{per_node}, {self.num_groups} federation groups of unequal size "
                 f"({'+'.join(map(str, self.group_sizes))})")
         return "\n".join([head] + ["  " + line for line in self.group_lines()])
 
@@ -142,7 +183,7 @@ class GroupLayout(WorldShape):
         lines = []
         for f, g in enumerate(self.groups):
             last = g.first_rank + g.size - 1
-            nodes = sorted({r // self.ranks_per_node for r in (g.first_rank, last)})
+            nodes = sorted({self.node_of(r) for r in (g.first_rank, last)})
             where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
             inner = (f"HSDP {g.replicas} replicas x {g.shard_size} shards" if g.replicas > 1
                      else f"FSDP over {g.shard_size}")
@@ -162,7 +203,7 @@ class RankLayout(WorldShape, GroupSharding):
     shard_size: int
 
     world_size = property(lambda self: self.whole.world_size)
-    ranks_per_node = property(lambda self: self.whole.ranks_per_node)
+    ranks_per_node = property(lambda self: self.whole.node_size(self.group))  # this rank's node's
     num_groups = property(lambda self: self.whole.num_groups)
     is_unequal = property(lambda self: True)
 
@@ -171,23 +212,29 @@ class RankLayout(WorldShape, GroupSharding):
 
 
 def make_group_layout(group_sizes: Sequence[int], ranks_per_node: Optional[int] = None,
-                      shard_sizes: Optional[Sequence[int]] = None) -> GroupLayout:
-    """Resolve defaults (shards: each group's size, i.e. FSDP; ranks_per_node as `make_layout`)
-    and validate; ValueError listing every problem."""
+                      shard_sizes: Optional[Sequence[int]] = None,
+                      node_sizes: Optional[Sequence[int]] = None) -> GroupLayout:
+    """Resolve defaults (shards: each group's size, i.e. FSDP; ranks_per_node as `make_layout`,
+    or the largest of `node_sizes`, each group's where the sites differ) and validate;
+    ValueError listing every problem."""
     sizes = tuple(group_sizes)
     world = sum(s for s in sizes if isinstance(s, int))
+    nodes = tuple(node_sizes or ())
+    if nodes and all(isinstance(n, int) for n in nodes):
+        ranks_per_node = max(nodes)
     if ranks_per_node is None:
         ranks_per_node = world if 1 <= world <= DEFAULT_RANKS_PER_NODE else DEFAULT_RANKS_PER_NODE
-    return GroupLayout(ranks_per_node, sizes, tuple(shard_sizes) if shard_sizes is not None else sizes)
+    return GroupLayout(ranks_per_node, sizes, tuple(shard_sizes) if shard_sizes is not None else sizes, nodes)
 
 
 def layout_record(layout) -> dict:
     """A layout as metadata.json and summary.json record it: world, node, G, F, S (for groups of
     unequal size group 0's G and S) and every group's size and shard size."""
     sizes, shards = group_sizes_of(layout)
-    return {"world_size": layout.world_size, "ranks_per_node": layout.ranks_per_node, "group_size": sizes[0],
+    whole = getattr(layout, "whole", layout)
+    return {"world_size": layout.world_size, "ranks_per_node": whole.ranks_per_node, "group_size": sizes[0],
             "num_groups": len(sizes), "hsdp_shard_size": shards[0], "group_sizes": list(sizes),
-            "hsdp_shard_sizes": list(shards)}
+            "hsdp_shard_sizes": list(shards), "group_ranks_per_node": list(getattr(whole, "node_sizes", ()))}
 
 
 def group_sizes_of(layout) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:

@@ -80,3 +80,19 @@ def test_checkpoint_metadata_records_every_group_and_resumes_only_into_the_same(
         source_groups(meta, _run("--fl-group-sizes", "4,8"))
     with pytest.raises(ValueError, match="groups of unequal size resume only into the same groups"):
         source_groups(meta, _run("--fl-group-size", "4"))
+
+
+def test_sites_with_nodes_of_8_and_4_ranks_are_checked_and_counted_node_by_node():
+    layout = _run("--fl-group-sizes", "16,8", "--fl-hsdp-shard-sizes", "8,4", "--fl-group-ranks-per-node", "8,4",
+                  world=24).layout
+    assert layout.num_nodes == 4 and [layout.node_of(r) for r in (0, 15, 16, 19, 20, 23)] == [0, 1, 2, 2, 3, 3]
+    assert layout.seen_from(20).ranks_per_node == 4 and layout.seen_from(3).ranks_per_node == 8
+    assert "24 ranks on 4 nodes x 8/4" in layout.describe() and "(16-23, nodes 2-3)" in layout.describe()
+    for flags, message in ((("16,8", "8,4", "8,16"), "group 1 \\(8 ranks\\) must cover whole nodes of its 16"),
+                           (("16,12", "8,6", "8,4"), "group 1: its shard groups of 6 ranks would straddle"),
+                           (("16,8", "8,3", "8,4"), "group 1: shard size 3 does not divide its size 8"),
+                           (("16,8", "8,4", "8"), "group_ranks_per_node has 1 values for 2 groups")):
+        sizes, shards, nodes = flags
+        with pytest.raises(ValueError, match=message):
+            _run("--fl-group-sizes", sizes, "--fl-hsdp-shard-sizes", shards, "--fl-group-ranks-per-node", nodes,
+                 world=sum(map(int, sizes.split(","))))

@@ -70,6 +70,10 @@ class FederationConfig:
     hsdp_shard_sizes: str = field(
         default="", metadata={"help": "with --fl-group-sizes: each group's HSDP shard size, comma-separated "
                                       "(default: each group's size, FSDP inside every group)"})
+    group_ranks_per_node: str = field(
+        default="", metadata={"help": "with --fl-group-sizes, where the sites' nodes differ: each group's ranks "
+                                      "(GPUs) per node, comma-separated (e.g. 8,4); every group then covers whole "
+                                      "nodes of its own (default: --ranks-per-node for every group)"})
     replica_split: bool = field(
         default=True, metadata={"help": "FL+HSDP: each replica averages 1/P of the shard across groups, then "
                                         "the replicas all-gather (P times less inter-group traffic); "
@@ -264,17 +268,19 @@ class FederationConfig:
         return [g.strip() for g in self.ada_graphs.split(",") if g.strip()]
 
     @property
-    def unequal_sizes(self) -> Optional[tuple[list[int], list[int]]]:
-        """(group sizes, shard sizes) from --fl-group-sizes and --fl-hsdp-shard-sizes; None when
-        the groups are given by --fl-group-size or --fl-num-groups. ValueError on a malformed list."""
+    def unequal_sizes(self) -> Optional[tuple[list[int], list[int], list[int]]]:
+        """(group sizes, shard sizes, ranks per node of each group or []) from --fl-group-sizes,
+        --fl-hsdp-shard-sizes and --fl-group-ranks-per-node; None when the groups are given by
+        --fl-group-size or --fl-num-groups. ValueError on a malformed list."""
         if not self.group_sizes:
-            if self.hsdp_shard_sizes:
-                raise ValueError("hsdp_shard_sizes needs group_sizes (--fl-group-sizes); with groups of equal "
-                                 "size use hsdp_shard_size")
+            for name in ("hsdp_shard_sizes", "group_ranks_per_node"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} needs group_sizes (--fl-group-sizes)")
             return None
         sizes = _int_list("group_sizes", self.group_sizes)
         shards = _int_list("hsdp_shard_sizes", self.hsdp_shard_sizes) if self.hsdp_shard_sizes else list(sizes)
-        return sizes, shards
+        nodes = _int_list("group_ranks_per_node", self.group_ranks_per_node) if self.group_ranks_per_node else []
+        return sizes, shards, nodes
 
     @property
     def syncing(self) -> bool:
@@ -356,9 +362,10 @@ class FederationConfig:
             return []
         errors = [f"group_sizes replaces {name}={getattr(self, name)}: give one of them"
                   for name in ("group_size", "num_groups", "hsdp_shard_size") if getattr(self, name) is not None]
-        sizes, shards = unequal
-        if len(shards) != len(sizes):
-            errors.append(f"hsdp_shard_sizes has {len(shards)} values for {len(sizes)} groups: give one per group")
+        sizes, shards, nodes = unequal
+        for name, values in (("hsdp_shard_sizes", shards), ("group_ranks_per_node", nodes or sizes)):
+            if len(values) != len(sizes):
+                errors.append(f"{name} has {len(values)} values for {len(sizes)} groups: give one per group")
         if self.elastic:
             errors.append("group_sizes describes one world; in elastic mode each group is its own job and "
                           "groups of unequal size are not supported yet (docs/heterogeneous.md)")

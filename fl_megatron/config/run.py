@@ -57,11 +57,11 @@ class RunConfig:
         ranks_per_node = self.parallel.ranks_per_node or local_world_size
         unequal = self.federation.unequal_sizes
         if unequal is not None:
-            sizes, shards = unequal
+            sizes, shards, nodes = unequal
             if sum(sizes) != world_size:
                 raise ValueError(f"group_sizes={self.federation.group_sizes!r} holds {sum(sizes)} ranks but the job "
                                  f"has {world_size}")
-            layout = make_group_layout(sizes, ranks_per_node, shards)
+            layout = make_group_layout(sizes, ranks_per_node, shards, nodes)
             return layout.as_equal_layout() if layout.is_equal else layout
         return make_layout(world_size, ranks_per_node=ranks_per_node,
                            group_size=self.federation.group_size, num_groups=self.federation.num_groups,

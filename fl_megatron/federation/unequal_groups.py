@@ -60,12 +60,12 @@ class UnequalGroups(ProcessGroups):
     def tier(self, kind: str) -> str:
         """'inter-node' if this rank's `kind` communicators ('peer': the atom tuples, one rank of
         every group; 'replica'; 'shard') span nodes."""
-        g, rpn = self.whole.groups[self.group], self.whole.ranks_per_node
+        g = self.whole.groups[self.group]
         _, r, s = self.coords
         ranks = {"peer": [h.first_rank for h in self.whole.groups],
                  "replica": [g.rank(k, s) for k in range(g.replicas)],
                  "shard": [g.rank(r, k) for k in range(g.shard_size)]}[kind]
-        return "inter-node" if len({rank // rpn for rank in ranks}) > 1 else "intra-node"
+        return "inter-node" if len({self.whole.node_of(rank) for rank in ranks}) > 1 else "intra-node"
 
     def has_exchange_groups(self) -> bool:
         return False

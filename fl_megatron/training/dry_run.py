@@ -193,7 +193,8 @@ def dry_run_report(run: ResolvedRun) -> str:
     if isinstance(layout, GroupLayout):
         return "\n".join(["fl-megatron dry run (no processes started)",
                           *("  " + line for line in layout.describe().splitlines()),
-                          _model_line(cfg, num_params), *unequal_dry_run_lines(run, num_params, largest, memory_estimate),
+                          _model_line(cfg, num_params),
+                          *unequal_dry_run_lines(run, num_params, largest, memory_estimate, _memory_warning),
                           *_start_lines(run), _checkpoint_line(cfg, layout, num_params)])
     param_bytes = working_bytes(t.bf16)
     memory = run_memory_estimate(run, counts, largest)

@@ -17,13 +17,14 @@ from .console import batch_line, federation_line
 def _alone(run: ResolvedRun, layout: GroupLayout, f: int) -> ResolvedRun:
     """`run` as group `f` alone: its ranks, nodes and sharding, every other setting the run's."""
     g = layout.groups[f]
-    return ResolvedRun(run.cfg, make_layout(g.size, layout.ranks_per_node, g.size, shard_size=g.shard_size),
+    return ResolvedRun(run.cfg, make_layout(g.size, layout.node_size(f), g.size, shard_size=g.shard_size),
                        run.accumulation)
 
 
-def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memory_estimate) -> list[str]:
+def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memory_estimate, warning) -> list[str]:
     """The dry run's body for a layout of unequal groups; `memory_estimate`: the dry run's estimate
-    of a run of equal groups (dry_run.memory_estimate), taken per group."""
+    of a run of equal groups (dry_run.memory_estimate), taken per group; `warning(cfg, total)`: the
+    lines that say an estimate does not fit the device."""
     cfg, layout, accum = run.cfg, run.layout, run.accumulation
     t, fed = cfg.training, cfg.federation
     syncing = fed.syncing and layout.is_federated
@@ -41,6 +42,7 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
                      f"(sharded state {format_bytes(memory['master_params'] + memory['optimizer_states'])}); "
                      f"per step intra-node {format_bytes(tiers['intra-node'])}, inter-node "
                      f"{format_bytes(tiers['inter-node'])}")
+        lines += [f"    group {f}:" + line[1:] for line in warning(cfg, memory["total"])]
     lines.append("")
     if not syncing:
         return lines + ["  per federation sync: none (averaging disabled or a single group)"]
