@@ -96,3 +96,20 @@ def test_sites_with_nodes_of_8_and_4_ranks_are_checked_and_counted_node_by_node(
         with pytest.raises(ValueError, match=message):
             _run("--fl-group-sizes", sizes, "--fl-hsdp-shard-sizes", shards, "--fl-group-ranks-per-node", nodes,
                  world=sum(map(int, sizes.split(","))))
+
+
+def test_the_readme_s_two_site_recipe_prints_what_the_docs_quote(capsys):
+    """README's "Heterogeneous sites" command, as written; docs/heterogeneous.md quotes its figures."""
+    import shlex
+
+    from test_readme import readme_block
+
+    argv = shlex.split(readme_block("readme-heterogeneous").replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "fl_megatron.pretrain"]
+    assert main(argv[3:]) == 0
+    out = capsys.readouterr().out
+    for quoted in ("512 ranks on 80 nodes x 8/4", "HSDP 48 x 8: memory", "HSDP 8 x 16: memory 26.1 GiB",
+                   "group 0: 384 ranks (HSDP 48 x 8), up to 20,912,267 elements (79.8 MiB)",
+                   "group 1: 128 ranks (HSDP 8 x 16), up to 62,736,416 elements (239.3 MiB)",
+                   "in up to 5 communicators", "536 communicators across groups", "carry 3.0x the elements"):
+        assert quoted in out, quoted
