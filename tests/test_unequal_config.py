@@ -38,7 +38,7 @@ def test_group_sizes_give_a_layout_of_unequal_groups_and_equal_sizes_today_s_lay
     (("--fl-group-sizes", "8,4", "--fl-hsdp-shard-sizes", "4"), "1 values for 2 groups"),
     (("--fl-group-sizes", "8,2"), "holds 10 ranks but the job has 12"),
     (("--fl-group-sizes", "6,6"), "must cover whole nodes of 4 ranks"),
-    (("--fl-group-sizes", "8,4", "--backend", "deepspeed"), "backend deepspeed: the atom plan needs"),
+    (("--fl-group-sizes", "8,4", "--backend", "megatron"), "backend megatron: the atom plan needs"),
     (("--fl-group-sizes", "8,4", "--fl-sync-dtype", "int8"), "sync_dtype int8"),
     (("--fl-group-sizes", "8,4", "--fl-fragments", "2"), "fragments 2"),
     (("--fl-group-sizes", "8,4", "--fl-overlap-steps", "1"), "overlap_steps"),
@@ -50,6 +50,16 @@ def test_what_groups_of_unequal_size_refuse_is_named(flags, message):
     with pytest.raises(ValueError) as e:
         _run(*flags)
     assert message in str(e.value)
+
+
+def test_a_deepspeed_train_batch_size_is_refused_for_groups_of_unequal_size(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 48, "zero_optimization": {"stage": 3}}')
+    with pytest.raises(ValueError, match="a DeepSpeed train_batch_size: it is one group's batch"):
+        _run("--fl-group-sizes", "8,4", "--deepspeed_config", str(path))
+    path.write_text('{"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}')
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=8 must divide the ZeRO-3 group \\(8/4 ranks"):
+        _run("--fl-group-sizes", "8,4", "--deepspeed_config", str(path))
 
 
 def test_the_dry_run_prints_each_group_and_the_atom_plan_s_cost(capsys, monkeypatch):

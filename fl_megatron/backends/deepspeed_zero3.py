@@ -199,6 +199,18 @@ class DeepSpeedBackend(SavesInTheForeground):
             working[~mask.to(working.device)] = 0
         self.refresh_after_sync()
 
+    def atom_cut(self) -> tuple[str, list[tuple]]:
+        """How `atom_shards` cut every parameter across a group, for groups of unequal size
+        (atom_plan): ZeRO-3's flat rule (ceil(n / S) elements per rank, the tail padded) and each
+        parameter's full shape, in the optimizer's order."""
+        return "flat", [tuple(p.ds_shape) for _, p, *_ in self._param_spans()]
+
+    def atom_shards(self) -> list[torch.Tensor]:
+        """Every parameter's valid elements in this rank's fp32 master partition (views, possibly
+        empty; the padding left out), in `atom_cut`'s order."""
+        masters = self.optimizer.fp32_partitioned_groups_flat
+        return [masters[i].narrow(0, offset, valid) for i, _, offset, _, valid in self._param_spans()]
+
     # --- the engine's contract -------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
         """The flat fp32 master partitions, one per optimizer sub-group (updated in place)."""

@@ -175,6 +175,11 @@ class FSDP2Backend:
         (atom_plan): FSDP2's row rule and each parameter's full shape, in the model's order."""
         return "fsdp2", [tuple(p.shape) for _, p in self._sharded]
 
+    def atom_shards(self) -> list[torch.Tensor]:
+        """Every parameter's local shard, flat (detached views of the fp32 storage FSDP2 updates),
+        in `atom_cut`'s order."""
+        return [t.detach() for _, t in self.named_shards()]
+
     # --- the engine's contract -------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
         """This rank's fp32 shards: runs of adjacent shards in the flat buffer as one tensor each,

@@ -113,7 +113,8 @@ class RunConfig:
             getattr(self, name).validate()
         layout = self.layout(world_size, local_world_size)
         if isinstance(layout, GroupLayout):
-            problems = unequal_group_problems(self.parallel.backend, self.federation, self.checkpoint)
+            problems = unequal_group_problems(self.parallel.backend, self.federation, self.checkpoint,
+                                              self.deepspeed)
             if problems:
                 raise ValueError(f"groups of unequal size ({self.federation.group_sizes}) cannot run this "
                                  "configuration yet: " + "; ".join(problems))
@@ -126,10 +127,11 @@ class RunConfig:
         if problem:
             raise ValueError(problem)
         hpz = ((self.deepspeed or {}).get("zero_optimization") or {}).get("zero_hpz_partition_size", 1)
-        if not isinstance(hpz, int) or hpz < 1 or (group_size and layout.shard_size % hpz):
+        shard_sizes = layout.shard_sizes if isinstance(layout, GroupLayout) else (layout.shard_size,)
+        if not isinstance(hpz, int) or hpz < 1 or any(s % hpz for s in shard_sizes):
             raise ValueError(f"zero_optimization.zero_hpz_partition_size={hpz!r} must divide the ZeRO-3 "
-                             f"group ({layout.shard_size} ranks: the federation group, or the HSDP shard "
-                             "group), so that ZeRO++'s secondary copies stay inside it")
+                             f"group ({'/'.join(map(str, shard_sizes))} ranks: the federation group, or the HSDP "
+                             "shard group), so that ZeRO++'s secondary copies stay inside it")
         t, m = self.training, self.model
         if self.checkpoint.async_save and self.parallel.backend != "fsdp2":
             raise ValueError(f"async_save writes with torch.distributed.checkpoint: it is for the fsdp2 backend, "

@@ -1,17 +1,22 @@
 """What a federation of groups of unequal size (--fl-group-sizes) runs today, and what it refuses
 with the reason: the rest of issue 40 lifts these one by one (docs/heterogeneous.md)."""
 
+from typing import Optional
+
 from .checkpoint import CheckpointConfig
 from .parallel import FederationConfig
 
 
-def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: CheckpointConfig) -> list[str]:
+def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: CheckpointConfig,
+                           deepspeed: Optional[dict] = None) -> list[str]:
     """Every setting a layout of unequal groups cannot run yet, each with why."""
     problems = []
-    if backend != "fsdp2":
+    if backend not in ("fsdp2", "deepspeed"):
         problems.append(f"backend {backend}: the atom plan needs each rank's element ranges of every parameter, "
-                        "which only the fsdp2 backend gives so far (DeepSpeed's flat partitions and megatron's "
-                        "buffer map are next)")
+                        "which fsdp2 and deepspeed give so far (megatron's buffer map is next)")
+    if "train_batch_size" in (deepspeed or {}):
+        problems.append("a DeepSpeed train_batch_size: it is one group's batch, which differs between groups of "
+                        "unequal size; give --global-batch-size (over all ranks) or gradient_accumulation_steps")
     if fed.sync_dtype != "fp32":
         problems.append(f"sync_dtype {fed.sync_dtype}: compressed syncs need their scales per owner tuple; only "
                         "fp32 averages groups of unequal size so far")

@@ -78,15 +78,16 @@ class _Flight:
 
 
 class TensorShards:
-    """A backend whose shards the engine takes tensor by tensor: `local_shards` is `named_shards`'
-    tensors (views, in the model's order: the atom plan's), everything else the backend's own."""
+    """A backend whose shards the engine takes tensor by tensor: `local_shards` is the backend's
+    `atom_shards` (views of its fp32 shards, one per parameter, in its `atom_cut`'s order: the
+    atom plan's), everything else the backend's own."""
 
     def __init__(self, backend) -> None:
         self._backend = backend
 
     def local_shards(self) -> List[torch.Tensor]:
-        """Detached views (their storage the backend's): the engine writes them in place."""
-        return [t.detach() for _, t in self._backend.named_shards()]
+        """Views of the backend's storage: the engine writes them in place."""
+        return self._backend.atom_shards()
 
     def __getattr__(self, name: str):
         return getattr(self._backend, name)

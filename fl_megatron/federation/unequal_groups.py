@@ -141,7 +141,7 @@ def atom_averagers(groups: UnequalGroups, backend, bucket_bytes: int, ledger=Non
     over the atom plan of its cut (`atom_cut`; collective over the world: it makes the plan's
     communicators)."""
     cut = getattr(backend, "atom_cut", None)
-    if cut is None:
+    if cut is None or not hasattr(backend, "atom_shards"):
         raise ValueError("this backend cannot average groups of unequal size: it does not say how it cuts its "
                          "parameters (atom_cut)")
     rule, shapes = cut()
