@@ -48,13 +48,19 @@ def _job(rank, world, tmp, cache):
     out["sick_after_2"] = _full(sick)
     sick.close()
     del os.environ["FL_MEGATRON_FAULT"]
-    # an outer optimizer (nesterov) over atoms: the groups end identical after every sync
-    nesterov = _config(f"{tmp}/nesterov", cache, sync_interval=2, steps=4, optimizer="adamw", lr=1e-3)
-    nesterov.federation.outer_optimizer = "nesterov"
-    trainer = make_trainer(nesterov)
-    trainer.train()
-    out["nesterov_end"] = _full(trainer)
-    trainer.close()
+    # an outer optimizer (nesterov) over atoms, exact and in int8 with error feedback (HSDP: the
+    # residuals live in each replica's slices): the groups end identical
+    for name, dtype, shards in (("nesterov", "fp32", ""), ("nesterov_int8", "int8", "2,1")):
+        cfg = _config(f"{tmp}/{name}", cache, shards=shards, sync_interval=2, steps=4, optimizer="adamw", lr=1e-3)
+        cfg.federation.outer_optimizer, cfg.federation.sync_dtype = "nesterov", dtype
+        cfg.federation.error_feedback = dtype != "fp32"
+        cfg.federation.bucket_mb = 0.05  # several buckets per owner tuple
+        trainer = make_trainer(cfg)
+        trainer.train()
+        out[f"{name}_end"] = _full(trainer)
+        out[f"{name}_residuals"] = sum(k.startswith("residual.") for k in trainer.engine.state_tensors())
+        out[f"{name}_bytes"] = trainer.ledger.by_scope["inter-group"]
+        trainer.close()
     return out
 
 
@@ -76,8 +82,13 @@ def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(
         assert first[0] != first[1]
     group_0_alone = next(r["fsdp_alone"][1] for r in results if r["fsdp_alone"][0] == 0)
     assert all(r["sick_sync"] == (1,) and r["sick_after_2"] == group_0_alone for r in results)
-    ends = [r["nesterov_end"] for r in results]
-    assert all(e == ends[0] for e in ends)
+    for name in ("nesterov", "nesterov_int8"):
+        ends = [r[f"{name}_end"] for r in results]
+        assert all(e == ends[0] for e in ends), name
+    assert ends[0] != results[0]["nesterov_end"]  # int8 is not the exact sync
+    assert all(r["nesterov_int8_residuals"] > 1 and r["nesterov_residuals"] == 0 for r in results)
+    # int8 puts about a quarter of fp32's bytes on the wire (the per-block scales and padding on top)
+    assert all(0.2 < r["nesterov_int8_bytes"] / r["nesterov_bytes"] < 0.4 for r in results[:1])
 
 
 def test_a_run_of_groups_of_4_and_2_ranks_resumes_exactly_and_exports(tmp_path):

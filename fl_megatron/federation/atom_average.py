@@ -6,8 +6,10 @@ tuple, packed into buckets, in the plan's sorted order of tuples on every rank (
 no two ranks wait on each other's later collective, on NCCL's one stream as on gloo). With HSDP
 each replica then broadcasts the slices it averaged to the other replicas of its shard.
 
-fp32 only and blocking; groups left out (sick) send zeros and take the others' mean. Compression,
-weights and the overlapped exchange build on it (issue 40). `TensorShards` hands the engine a
+Blocking; fp32 (AVG, two buckets in flight), or compressed per bucket over the tuple's
+communicator (compression.py: bf16, int8, int4, with error feedback per bucket). Groups left out
+(sick) send zeros and take the others' mean. Weights and the overlapped exchange build on it
+(issue 40). `TensorShards` hands the engine a
 backend's shards tensor by tensor, the plan's order.
 """
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
 from .averaging import SyncStats
+from .compression import compressed_mean_
 from .failed_collective import call_directly
 from .ledger import CommLedger
 
@@ -99,8 +102,11 @@ class AtomAverager:
 
     def __init__(self, plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], dist.ProcessGroup], *,
                  replica_group=None, bucket_bytes: int = 32 << 20, ledger: Optional[CommLedger] = None,
-                 peer_tier: str = "inter-node", replica_tier: str = "intra-node") -> None:
+                 peer_tier: str = "inter-node", replica_tier: str = "intra-node", sync_dtype: str = "fp32",
+                 error_feedback: bool = False) -> None:
         f, self.replica_index, _ = plan.shard_of(rank)
+        self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
+        self.residuals: Dict[int, torch.Tensor] = {}  # error feedback: per bucket (in the plan's order)
         self.replicas = plan.groups[f].replicas
         if self.replicas > 1 and replica_group is None:
             raise ValueError(f"rank {rank}'s group has {self.replicas} replicas: the replica group is needed")
@@ -131,8 +137,6 @@ class AtomAverager:
             pieces += [Piece(t, a - lo, b - a) for a, b, who in self.plan.replica_runs(self.rank, t) if who == owner]
         return pieces
 
-    residuals: Dict[int, torch.Tensor] = {}  # no error feedback here (fp32): what SyncState reads and saves
-
     @torch.no_grad()
     def average(self, shards: List[torch.Tensor], include: bool = True, contributors: Optional[int] = None,
                 mixing=None, peers=None) -> SyncStats:
@@ -154,12 +158,22 @@ class AtomAverager:
         stats = SyncStats()
         sums = torch.zeros(2, dtype=torch.float64, device=shards[0].device if shards else "cpu")
         in_flight: List[_Flight] = []
+        index = 0
         for group, buckets in self.rounds:
             for bucket in buckets:
                 if len(in_flight) >= MAX_IN_FLIGHT:
                     self._land(in_flight.pop(0), flats, stats, sums, call)
                 buffer = self._pack(bucket, flats)
-                own = buffer.clone()  # the variance metric's reference, and all a rolled-back sync needs here
+                own = buffer.clone()  # the variance metric's reference
+                index += 1
+                if self.sync_dtype != "fp32":  # encoded, summed in fp32, the mean encoded once (blocking)
+                    residual = self.residuals.setdefault(index - 1, torch.zeros_like(buffer)) \
+                        if self.error_feedback else None
+                    nbytes = call(compressed_mean_, buffer, group, self.sync_dtype, include=include,
+                                  contributors=contributors, residual=residual) or 0
+                    self._land(_Flight(buffer, own, bucket, None, None), flats, stats, sums, call)
+                    self._count(stats, nbytes, "inter-group", self.peer_tier)
+                    continue
                 if contributors is None:
                     work = call(dist.all_reduce, buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
                 else:
@@ -167,7 +181,7 @@ class AtomAverager:
                         buffer.zero_()
                     work = call(dist.all_reduce, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
                 in_flight.append(_Flight(buffer, own, bucket, work, contributors))
-                self._count(stats, buffer, "inter-group", self.peer_tier)
+                self._count(stats, buffer.numel() * 4, "inter-group", self.peer_tier)
         while in_flight:
             self._land(in_flight.pop(0), flats, stats, sums, call)
         stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
@@ -178,7 +192,7 @@ class AtomAverager:
                 if replica != self.replica_index:
                     self._unpack(buffer, bucket, flats)
                 else:
-                    self._count(stats, buffer, "intra-group", self.replica_tier)
+                    self._count(stats, buffer.numel() * 4, "intra-group", self.replica_tier)
         return stats
 
     @staticmethod
@@ -206,8 +220,7 @@ class AtomAverager:
         stats.samples += item.buffer.numel()
         self._unpack(item.buffer, item.bucket, flats)
 
-    def _count(self, stats: SyncStats, buffer: torch.Tensor, scope: str, tier: str) -> None:
-        nbytes = buffer.numel() * buffer.element_size()
+    def _count(self, stats: SyncStats, nbytes: int, scope: str, tier: str) -> None:
         stats.collectives += 1
         if scope == "inter-group":
             stats.inter_group_bytes += nbytes

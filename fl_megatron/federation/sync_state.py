@@ -33,14 +33,12 @@ class AveragerSettings:
     ledger: CommLedger
     peer_tier: str
     replica_tier: str
-    # groups of unequal size: makes the atom plan's averager (fp32 only), which replaces ShardAverager
-    atoms: Optional[Callable[[], object]] = None
+    # groups of unequal size: makes the atom plan's averager, which replaces ShardAverager
+    atoms: Optional[Callable[[str, bool], object]] = None
 
     def make(self, sync_dtype: str = "fp32", error_feedback: bool = False) -> ShardAverager:
         if self.atoms is not None:
-            if sync_dtype != "fp32":
-                raise ValueError(f"groups of unequal size average in fp32 only, not {sync_dtype}")
-            return self.atoms()
+            return self.atoms(sync_dtype, error_feedback)
         return ShardAverager(self.peer, self.num_groups, replica_group=self.replica, replicas=self.replicas,
                              replica_index=self.replica_index, replica_split=self.replica_split,
                              bucket_bytes=self.bucket_bytes, ledger=self.ledger, peer_tier=self.peer_tier,

@@ -136,7 +136,8 @@ def plan_shards(groups: UnequalGroups, shapes: Sequence[Sequence[int]], rule: st
     return plan
 
 
-def atom_averagers(groups: UnequalGroups, backend, bucket_bytes: int, ledger=None) -> Callable[[], AtomAverager]:
+def atom_averagers(groups: UnequalGroups, backend, bucket_bytes: int,
+                   ledger=None) -> Callable[[str, bool], AtomAverager]:
     """What makes this rank's averagers of `backend`'s shards, tensor by tensor (`TensorShards`),
     over the atom plan of its cut (`atom_cut`; collective over the world: it makes the plan's
     communicators)."""
@@ -146,5 +147,7 @@ def atom_averagers(groups: UnequalGroups, backend, bucket_bytes: int, ledger=Non
                          "parameters (atom_cut)")
     rule, shapes = cut()
     plan = plan_shards(groups, shapes, rule)
-    return lambda: AtomAverager(plan, groups.rank, groups.atoms, replica_group=groups.replica, bucket_bytes=bucket_bytes,
-                                ledger=ledger, peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"))
+    return lambda sync_dtype="fp32", error_feedback=False: AtomAverager(
+        plan, groups.rank, groups.atoms, replica_group=groups.replica, bucket_bytes=bucket_bytes, ledger=ledger,
+        peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), sync_dtype=sync_dtype,
+        error_feedback=error_feedback)
