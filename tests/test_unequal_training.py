@@ -25,6 +25,11 @@ def _full(trainer) -> dict:
     return {k: v.tolist() for k, v in trainer.backend.full_state_dict().items()}
 
 
+def _flat(state: dict) -> torch.Tensor:
+    """A full state dict as one flat tensor, in the model's order."""
+    return torch.cat([torch.tensor(v).reshape(-1) for v in state.values()])
+
+
 def _job(rank, world, tmp, cache):
     out = {}
     for case, shards in (("fsdp", ""), ("hsdp", "2,1")):
@@ -40,6 +45,15 @@ def _job(rank, world, tmp, cache):
         fed.step(1)
         out[f"{case}_after_2"] = _full(fed)
         fed.close()
+    # 2 fragments, H = 4: after step 2 only fragment 0 (the first half of the model's elements, in the
+    # model's order, the same in both groups) is averaged; fragment 1 is each group's own
+    fragments = _config(f"{tmp}/fragments", cache, sync_interval=4, steps=4)
+    fragments.federation.fragments = 2
+    trainer = make_trainer(fragments)
+    trainer.step(0)
+    out["fragments_moved"] = trainer.step(1).sync.fragments
+    out["fragments_after_2"] = _full(trainer)
+    trainer.close()
     # group 1 turns sick (a NaN in its shards after step 2): the sync leaves it out, every rank takes group 0's
     os.environ["FL_MEGATRON_FAULT"] = "nan-shard:1@2"
     sick = make_trainer(_config(f"{tmp}/sick", cache, sync_interval=2, steps=4))
@@ -48,17 +62,18 @@ def _job(rank, world, tmp, cache):
     out["sick_after_2"] = _full(sick)
     sick.close()
     del os.environ["FL_MEGATRON_FAULT"]
-    # an outer optimizer (nesterov) over atoms, exact and in int8 with error feedback (HSDP: the
-    # residuals live in each replica's slices): the groups end identical
+    # an outer optimizer (nesterov) over atoms, exact and in int8 with error feedback and 2 fragments
+    # (HSDP: the residuals live in each replica's slices): the groups end identical
     for name, dtype, shards in (("nesterov", "fp32", ""), ("nesterov_int8", "int8", "2,1")):
         cfg = _config(f"{tmp}/{name}", cache, shards=shards, sync_interval=2, steps=4, optimizer="adamw", lr=1e-3)
         cfg.federation.outer_optimizer, cfg.federation.sync_dtype = "nesterov", dtype
         cfg.federation.error_feedback = dtype != "fp32"
+        cfg.federation.fragments = 2 if dtype != "fp32" else 1
         cfg.federation.bucket_mb = 0.05  # several buckets per owner tuple
         trainer = make_trainer(cfg)
         trainer.train()
         out[f"{name}_end"] = _full(trainer)
-        out[f"{name}_residuals"] = sum(k.startswith("residual.") for k in trainer.engine.state_tensors())
+        out[f"{name}_residuals"] = sum("residual." in k for k in trainer.engine.state_tensors())
         out[f"{name}_bytes"] = trainer.ledger.by_scope["inter-group"]
         trainer.close()
     return out
@@ -80,6 +95,14 @@ def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(
         # between syncs each group holds its own model: step 1's states differ across the groups
         first = {g: r[f"{case}_after_1"] for g, r in zip((0, 0, 0, 0, 1, 1), results)}
         assert first[0] != first[1]
+    # fragment 0: the mean of the groups alone; fragment 1: each group's own state
+    alone = {group: _flat(state) for group, state in (r["fsdp_alone"] for r in results)}
+    half = -(-alone[0].numel() // 2)
+    for r in results:
+        assert r["fragments_moved"] == (0,)
+        mine = _flat(r["fragments_after_2"])
+        assert torch.equal(mine[:half], (alone[0][:half] + alone[1][:half]) / 2)
+        assert torch.equal(mine[half:], alone[r["fsdp_alone"][0]][half:])
     group_0_alone = next(r["fsdp_alone"][1] for r in results if r["fsdp_alone"][0] == 0)
     assert all(r["sick_sync"] == (1,) and r["sick_after_2"] == group_0_alone for r in results)
     for name in ("nesterov", "nesterov_int8"):

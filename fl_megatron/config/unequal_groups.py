@@ -17,9 +17,6 @@ def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: Chec
     if "train_batch_size" in (deepspeed or {}):
         problems.append("a DeepSpeed train_batch_size: it is one group's batch, which differs between groups of "
                         "unequal size; give --global-batch-size (over all ranks) or gradient_accumulation_steps")
-    if fed.fragments > 1:
-        problems.append(f"fragments {fed.fragments}: fragments are cut from the local shards, which differ "
-                        "between groups of unequal size")
     if fed.overlap_steps:
         problems.append("overlap_steps: an overlapped sync needs a second set of atom communicators")
     if fed.gossip or fed.dbench_metrics:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
 from .averaging import SyncStats
+from .fragments import fragment_bounds
 from .compression import compressed_mean_
 from .failed_collective import call_directly
 from .ledger import CommLedger
@@ -50,6 +51,41 @@ def build_atom_groups(plan: AtomPlan, rank: int, timeout: Optional[timedelta] = 
         if owners in mine:
             groups[owners] = group
     return groups
+
+
+def _clip(span: Tuple[int, int], window: Tuple[int, int]) -> Tuple[int, int]:
+    """The part of `span` inside `window`: [lo, hi) within `span`, empty (lo == hi) where they do
+    not meet."""
+    lo = min(max(span[0], window[0]), span[1])
+    return lo, max(lo, min(span[1], window[1]))
+
+
+def tensor_windows(plan: AtomPlan, window: Optional[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """Each tensor's part [a, b) (its own element offsets) of a window over all tensors taken as
+    one flat sequence in the plan's order (None: every tensor whole)."""
+    out, offset = [], 0
+    for numel in plan.numels:
+        lo, hi = (0, numel) if window is None else _clip((0, numel), (window[0] - offset, window[1] - offset))
+        out.append((lo, hi))
+        offset += numel
+    return out
+
+
+def fragment_windows(plan: AtomPlan, fragments: int) -> List[Tuple[int, int]]:
+    """The model's elements cut into `fragments` near-equal windows, the same in every group
+    (--fl-fragments: fragments.py cuts a rank's shards, which differ between groups of unequal size)."""
+    return fragment_bounds(sum(plan.numels), fragments)
+
+
+def window_views(plan: AtomPlan, rank: int, shards: List[torch.Tensor],
+                 window: Tuple[int, int]) -> List[torch.Tensor]:
+    """One view per tensor of `rank`'s flat shards: the part inside `window` (possibly empty)."""
+    views = []
+    for t, (shard, w) in enumerate(zip(shards, tensor_windows(plan, window))):
+        start, _ = plan.shard_range(rank, t)
+        lo, hi = _clip(plan.shard_range(rank, t), w)
+        views.append(shard.view(-1).narrow(0, lo - start, hi - lo))
+    return views
 
 
 def _buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
@@ -103,8 +139,12 @@ class AtomAverager:
     def __init__(self, plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], dist.ProcessGroup], *,
                  replica_group=None, bucket_bytes: int = 32 << 20, ledger: Optional[CommLedger] = None,
                  peer_tier: str = "inter-node", replica_tier: str = "intra-node", sync_dtype: str = "fp32",
-                 error_feedback: bool = False) -> None:
+                 error_feedback: bool = False, window: Optional[Tuple[int, int]] = None) -> None:
+        """`window`: average only the elements [start, stop) of the model's tensors taken as one
+        flat sequence in the plan's order (a fragment: `fragment_windows`); the shards given to
+        `average` are then `window_views` of the rank's shards."""
         f, self.replica_index, _ = plan.shard_of(rank)
+        self.windows = tensor_windows(plan, window)
         self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
         self.residuals: Dict[int, torch.Tensor] = {}  # error feedback: per bucket (in the plan's order)
         self.replicas = plan.groups[f].replicas
@@ -113,11 +153,13 @@ class AtomAverager:
         self.plan, self.rank, self.replica_group = plan, rank, replica_group
         self.bucket_elements = max(1, int(bucket_bytes) // 4)
         self.ledger, self.peer_tier, self.replica_tier = ledger, peer_tier, replica_tier
-        self.lengths = [hi - lo for lo, hi in (plan.shard_range(rank, t) for t in range(len(plan.numels)))]
+        self.spans = [_clip(plan.shard_range(rank, t), w) for t, w in enumerate(self.windows)]
+        self.lengths = [hi - lo for lo, hi in self.spans]
         by_tuple: Dict[Tuple[int, ...], List[Piece]] = {}
         for atom in plan.rank_atoms(rank):
-            lo, _ = plan.shard_range(rank, atom.tensor)
-            by_tuple.setdefault(atom.owners, []).append(Piece(atom.tensor, atom.start - lo, atom.length))
+            lo, hi = _clip((atom.start, atom.stop), self.windows[atom.tensor])
+            if lo < hi:
+                by_tuple.setdefault(atom.owners, []).append(Piece(atom.tensor, lo - self.spans[atom.tensor][0], hi - lo))
         missing = [owners for owners in by_tuple if owners not in communicators]
         if missing:
             raise ValueError(f"no communicator for owner tuple(s) {missing[:3]}: build them with build_atom_groups")
@@ -133,8 +175,10 @@ class AtomAverager:
         owner = self.plan.groups[f].rank(replica, s)
         pieces = []
         for t in range(len(self.plan.numels)):
-            lo, _ = self.plan.shard_range(self.rank, t)
-            pieces += [Piece(t, a - lo, b - a) for a, b, who in self.plan.replica_runs(self.rank, t) if who == owner]
+            for a, b, who in self.plan.replica_runs(self.rank, t):
+                lo, hi = _clip((a, b), self.windows[t])
+                if who == owner and lo < hi:
+                    pieces.append(Piece(t, lo - self.spans[t][0], hi - lo))
         return pieces
 
     @torch.no_grad()

@@ -30,7 +30,7 @@ from .overlap import Overlapper
 from .result import ResultBuilder, SyncResult, metric_sums
 from .schedule import sync_due
 from .sync_state import AveragerSettings, SyncState
-from .unequal_groups import UnequalGroups, atom_averagers
+from .unequal_groups import UnequalGroups, atom_averaging
 from .vote import GroupFigures, Senders, Vote, take_vote
 
 
@@ -49,7 +49,7 @@ class FederationEngine:
         atoms = None
         if isinstance(groups, UnequalGroups) and layout.is_federated:  # no peer group: average atom by atom
             backend = TensorShards(backend)
-            atoms = atom_averagers(groups, backend, int(config.bucket_mb * (1 << 20)), self.ledger)
+            atoms = atom_averaging(groups, backend, int(config.bucket_mb * (1 << 20)), self.ledger)
         self.backend, self.groups = backend, groups
         self.averaging = AveragerSettings(peer, layout.num_groups, replica, layout.replicas, groups.coords[1],
                                           config.replica_split, int(config.bucket_mb * (1 << 20)), self.ledger,

@@ -5,6 +5,8 @@ of near-equal size; fragment f is the list of views of the shards that fall into
 cut depends only on the shards' sizes, so the same shards of every federation group (and every
 replica of a group) are cut at the same places. Fragment f syncs at the steps k * H/N with
 k = f + 1 (mod N): each fragment once every H steps, the bytes spread over N smaller syncs.
+Groups of unequal size cut the model's elements instead (atom_average.fragment_windows), since
+their shards differ.
 """
 
 from typing import Optional

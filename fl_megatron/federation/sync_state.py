@@ -33,12 +33,16 @@ class AveragerSettings:
     ledger: CommLedger
     peer_tier: str
     replica_tier: str
-    # groups of unequal size: makes the atom plan's averager, which replaces ShardAverager
-    atoms: Optional[Callable[[str, bool], object]] = None
+    # groups of unequal size: unequal_groups.AtomAveraging, whose averagers replace ShardAverager
+    # and whose fragments are cut from the model's elements, the same in every group
+    atoms: Optional[object] = None
 
-    def make(self, sync_dtype: str = "fp32", error_feedback: bool = False) -> ShardAverager:
+    def make(self, sync_dtype: str = "fp32", error_feedback: bool = False,
+             fragment: Optional[tuple] = None) -> ShardAverager:
+        """An averager (of fragment `fragment` = (index, count); a ShardAverager takes the fragment's
+        views as they come)."""
         if self.atoms is not None:
-            return self.atoms(sync_dtype, error_feedback)
+            return self.atoms.make(sync_dtype, error_feedback, fragment)
         return ShardAverager(self.peer, self.num_groups, replica_group=self.replica, replicas=self.replicas,
                              replica_index=self.replica_index, replica_split=self.replica_split,
                              bucket_bytes=self.bucket_bytes, ledger=self.ledger, peer_tier=self.peer_tier,
@@ -55,8 +59,8 @@ class SyncState:
         """`local_shards`: the backend's shards, asked for only where outer optimizers anchor on them."""
         self.settings, self.averaging, self.active = settings, averaging, active
         self.fragments = settings.fragments if active else 1
-        self.averagers = averagers or [averaging.make(settings.sync_dtype, settings.error_feedback)
-                                       for _ in range(self.fragments)]
+        self.averagers = averagers or [averaging.make(settings.sync_dtype, settings.error_feedback, (f, self.fragments))
+                                       for f in range(self.fragments)]
         self.state_averager = averaging.make()  # --fl-inner-state average: the moments, exactly (fp32)
         self.outers = self._new_outers(local_shards()) if active and not settings.plain_average else []
 
@@ -66,6 +70,8 @@ class SyncState:
 
     def views(self, shards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """`shards` cut into this mode's fragments (one: the shards themselves)."""
+        if self.averaging.atoms is not None:
+            return self.averaging.atoms.views(shards, self.fragments)
         try:
             return fragment_views(shards, self.fragments)
         except ValueError as e:

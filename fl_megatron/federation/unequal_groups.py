@@ -10,7 +10,7 @@ job-wide reductions run over the leaders, the first rank of every group.
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..atom_plan import AtomPlan, plan_for_shapes
 from ..group_layout import GroupLayout
 from ..topology import MESH_DIM_NAMES
-from .atom_average import AtomAverager, build_atom_groups
+from .atom_average import AtomAverager, build_atom_groups, fragment_windows, window_views
 from .failed_collective import call_directly
 from .groups import ProcessGroups
 
@@ -136,18 +136,39 @@ def plan_shards(groups: UnequalGroups, shapes: Sequence[Sequence[int]], rule: st
     return plan
 
 
-def atom_averagers(groups: UnequalGroups, backend, bucket_bytes: int,
-                   ledger=None) -> Callable[[str, bool], AtomAverager]:
-    """What makes this rank's averagers of `backend`'s shards, tensor by tensor (`TensorShards`),
-    over the atom plan of its cut (`atom_cut`; collective over the world: it makes the plan's
-    communicators)."""
+@dataclass
+class AtomAveraging:
+    """What makes a rank's averagers over an atom plan (one per fragment) and cuts its shards into
+    the fragments they average; SyncState asks it where groups differ in size."""
+
+    plan: AtomPlan
+    groups: UnequalGroups
+    bucket_bytes: int
+    ledger: object = None
+
+    def make(self, sync_dtype: str = "fp32", error_feedback: bool = False,
+             fragment: Optional[Tuple[int, int]] = None) -> AtomAverager:
+        """The averager of fragment `fragment` = (index, count), or of the whole model."""
+        window = fragment_windows(self.plan, fragment[1])[fragment[0]] if fragment and fragment[1] > 1 else None
+        g = self.groups
+        return AtomAverager(self.plan, g.rank, g.atoms, replica_group=g.replica, bucket_bytes=self.bucket_bytes,
+                            ledger=self.ledger, peer_tier=g.tier("peer"), replica_tier=g.tier("replica"),
+                            sync_dtype=sync_dtype, error_feedback=error_feedback, window=window)
+
+    def views(self, shards: list, fragments: int) -> list:
+        """`shards` (one flat shard per tensor) cut into the fragments' views, the same elements in
+        every group."""
+        if fragments == 1:
+            return [list(shards)]
+        return [window_views(self.plan, self.groups.rank, shards, w) for w in fragment_windows(self.plan, fragments)]
+
+
+def atom_averaging(groups: UnequalGroups, backend, bucket_bytes: int, ledger=None) -> AtomAveraging:
+    """This rank's averaging of `backend`'s shards, tensor by tensor (`TensorShards`), over the atom
+    plan of its cut (`atom_cut`; collective over the world: it makes the plan's communicators)."""
     cut = getattr(backend, "atom_cut", None)
     if cut is None or not hasattr(backend, "atom_shards"):
         raise ValueError("this backend cannot average groups of unequal size: it does not say how it cuts its "
                          "parameters (atom_cut)")
     rule, shapes = cut()
-    plan = plan_shards(groups, shapes, rule)
-    return lambda sync_dtype="fp32", error_feedback=False: AtomAverager(
-        plan, groups.rank, groups.atoms, replica_group=groups.replica, bucket_bytes=bucket_bytes, ledger=ledger,
-        peer_tier=groups.tier("peer"), replica_tier=groups.tier("replica"), sync_dtype=sync_dtype,
-        error_feedback=error_feedback)
+    return AtomAveraging(plan_shards(groups, shapes, rule), groups, bucket_bytes, ledger)
