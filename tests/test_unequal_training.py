@@ -62,16 +62,17 @@ def _job(rank, world, tmp, cache):
     out["sick_after_2"] = _full(sick)
     sick.close()
     del os.environ["FL_MEGATRON_FAULT"]
-    # an outer optimizer (nesterov) over atoms, exact and in int8 with error feedback and 2 fragments
-    # (HSDP: the residuals live in each replica's slices): the groups end identical
+    # an outer optimizer (nesterov) over atoms, exact, and in int8 with error feedback, 2 fragments and an
+    # overlapped sync (HSDP: the residuals live in each replica's slices): the groups end identical
     for name, dtype, shards in (("nesterov", "fp32", ""), ("nesterov_int8", "int8", "2,1")):
-        cfg = _config(f"{tmp}/{name}", cache, shards=shards, sync_interval=2, steps=4, optimizer="adamw", lr=1e-3)
+        cfg = _config(f"{tmp}/{name}", cache, shards=shards, sync_interval=4, steps=6, optimizer="adamw", lr=1e-3)
         cfg.federation.outer_optimizer, cfg.federation.sync_dtype = "nesterov", dtype
         cfg.federation.error_feedback = dtype != "fp32"
-        cfg.federation.fragments = 2 if dtype != "fp32" else 1
+        cfg.federation.fragments, cfg.federation.overlap_steps = (2, 1) if dtype != "fp32" else (1, 0)
         cfg.federation.bucket_mb = 0.05  # several buckets per owner tuple
         trainer = make_trainer(cfg)
-        trainer.train()
+        syncs = [trainer.step(i).sync for i in range(6)]
+        out[f"{name}_synced"] = [i + 1 for i, s in enumerate(syncs) if s is not None]
         out[f"{name}_end"] = _full(trainer)
         out[f"{name}_residuals"] = sum("residual." in k for k in trainer.engine.state_tensors())
         out[f"{name}_bytes"] = trainer.ledger.by_scope["inter-group"]
@@ -105,6 +106,8 @@ def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(
         assert torch.equal(mine[half:], alone[r["fsdp_alone"][0]][half:])
     group_0_alone = next(r["fsdp_alone"][1] for r in results if r["fsdp_alone"][0] == 0)
     assert all(r["sick_sync"] == (1,) and r["sick_after_2"] == group_0_alone for r in results)
+    # overlapped: the fragment syncs launched after steps 2 and 4 land a step later; step 6 syncs all
+    assert results[0]["nesterov_synced"] == [4, 6] and results[0]["nesterov_int8_synced"] == [3, 5, 6]
     for name in ("nesterov", "nesterov_int8"):
         ends = [r[f"{name}_end"] for r in results]
         assert all(e == ends[0] for e in ends), name

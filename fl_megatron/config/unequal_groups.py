@@ -17,8 +17,6 @@ def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: Chec
     if "train_batch_size" in (deepspeed or {}):
         problems.append("a DeepSpeed train_batch_size: it is one group's batch, which differs between groups of "
                         "unequal size; give --global-batch-size (over all ranks) or gradient_accumulation_steps")
-    if fed.overlap_steps:
-        problems.append("overlap_steps: an overlapped sync needs a second set of atom communicators")
     if fed.gossip or fed.dbench_metrics:
         problems.append(f"topology {fed.topology}{' with DBench metrics' if fed.dbench_metrics else ''}: gossip and "
                         "the consensus metrics pair the ranks of a peer group, which groups of unequal size lack")

@@ -68,7 +68,9 @@ class UnequalGroups(ProcessGroups):
         return "inter-node" if len({self.whole.node_of(rank) for rank in ranks}) > 1 else "intra-node"
 
     def has_exchange_groups(self) -> bool:
-        return False
+        """Whether an overlapped sync can run in the background: the atom communicators serve only
+        syncs; HSDP groups need the exchange's own replica groups (`exchange=True`)."""
+        return not self.whole.is_hsdp or self.exchange_replica is not None
 
     def reduce_across_groups(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, call=call_directly) -> None:
         """Reduce a tensor that is the same on every rank of each group across the groups: over the
@@ -86,44 +88,52 @@ class UnequalGroups(ProcessGroups):
 
 
 def build_unequal_groups(layout: GroupLayout, device_type: str, timeout: Optional[timedelta] = None,
-                         async_checkpoint: bool = False) -> UnequalGroups:
+                         async_checkpoint: bool = False, exchange: bool = False) -> UnequalGroups:
     """Create every group's communicators on every rank (collective over the world: all ranks
     call it with the same layout) and this rank's sharding mesh (1-D shard for FSDP, 2-D
     (replica, shard) for HSDP). `async_checkpoint`: also a gloo copy of every group for
-    background checkpoint writes. The atom communicators come later (`plan_shards`), once the
+    background checkpoint writes. `exchange`: also the HSDP replica groups of an overlapped
+    sync's thread (the atom communicators serve only syncs, so that thread uses them as they
+    are). The atom communicators come later (`plan_shards`), once the
     backend's shards are known."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"the groups hold {layout.world_size} ranks but the job has {dist.get_world_size()}")
     rank = dist.get_rank()
-    federation = shard = replica = None
-    for g in layout.groups:
-        made = dist.new_group(list(range(g.first_rank, g.first_rank + g.size)), timeout=timeout)
-        federation = made if g.first_rank <= rank < g.first_rank + g.size else federation
-        if g.replicas > 1:
-            for r in range(g.replicas):
-                members = [g.rank(r, s) for s in range(g.shard_size)]
-                made = dist.new_group(members, timeout=timeout)
-                shard = made if rank in members else shard
-            for s in range(g.shard_size):
-                members = [g.rank(r, s) for r in range(g.replicas)]
-                made = dist.new_group(members, timeout=timeout)
-                replica = made if rank in members else replica
+    hsdp = [g for g in layout.groups if g.replicas > 1]
+    whole = [list(range(g.first_rank, g.first_rank + g.size)) for g in layout.groups]
+    replicas = [[g.rank(r, s) for r in range(g.replicas)] for g in hsdp for s in range(g.shard_size)]
+    federation = _new_groups(whole, rank, timeout)
+    shard = _new_groups([[g.rank(r, s) for s in range(g.shard_size)] for g in hsdp for r in range(g.replicas)],
+                        rank, timeout)
+    replica = _new_groups(replicas, rank, timeout)
+    leaders = _new_groups([[g.first_rank for g in layout.groups]], rank, timeout, every_rank=True)
+    # an overlapped sync's HSDP broadcasts, never on the training thread's replica group
+    exchange_replica = _new_groups(replicas, rank, timeout) if exchange else None
+    checkpoint = _new_groups(whole, rank, timeout, backend="gloo") if async_checkpoint else None
     mine = layout.groups[layout.group_of(rank)]
-    leaders = dist.new_group([g.first_rank for g in layout.groups], timeout=timeout)
-    checkpoint = None
-    if async_checkpoint:
-        for g in layout.groups:
-            made = dist.new_group(list(range(g.first_rank, g.first_rank + g.size)), timeout=timeout, backend="gloo")
-            checkpoint = made if g.first_rank <= rank < g.first_rank + g.size else checkpoint
     if mine.replicas > 1:
         grid = torch.tensor([[mine.rank(r, s) for s in range(mine.shard_size)] for r in range(mine.replicas)])
         mesh = DeviceMesh.from_group([replica, shard], device_type, mesh=grid, mesh_dim_names=MESH_DIM_NAMES[1:])
     else:
         mesh = DeviceMesh.from_group(federation, device_type, mesh_dim_names=MESH_DIM_NAMES[2:])
     return UnequalGroups(layout=layout.seen_from(rank), rank=rank, mesh=mesh, shard_mesh=mesh, federation=federation,
-                         checkpoint=checkpoint, whole=layout, replica_group=replica, leaders=leaders, timeout=timeout)
+                         exchange_replica=exchange_replica, checkpoint=checkpoint, whole=layout, replica_group=replica,
+                         leaders=leaders, timeout=timeout)
+
+
+def _new_groups(member_lists: list, rank: int, timeout: Optional[timedelta], backend: Optional[str] = None,
+                every_rank: bool = False) -> Optional[dist.ProcessGroup]:
+    """One `new_group` per list of ranks, on every rank in the same order; the one holding `rank`
+    (None if none does). `every_rank`: return the last group made even where `rank` is not in it
+    (torch's placeholder for non-members)."""
+    mine = None
+    for members in member_lists:
+        made = dist.new_group(members, timeout=timeout, backend=backend)
+        if rank in members or every_rank:
+            mine = made
+    return mine
 
 
 def plan_shards(groups: UnequalGroups, shapes: Sequence[Sequence[int]], rule: str = "fsdp2",
@@ -151,7 +161,8 @@ class AtomAveraging:
         """The averager of fragment `fragment` = (index, count), or of the whole model."""
         window = fragment_windows(self.plan, fragment[1])[fragment[0]] if fragment and fragment[1] > 1 else None
         g = self.groups
-        return AtomAverager(self.plan, g.rank, g.atoms, replica_group=g.replica, bucket_bytes=self.bucket_bytes,
+        return AtomAverager(self.plan, g.rank, g.atoms, replica_group=g.exchange_replica or g.replica,
+                            bucket_bytes=self.bucket_bytes,
                             ledger=self.ledger, peer_tier=g.tier("peer"), replica_tier=g.tier("replica"),
                             sync_dtype=sync_dtype, error_feedback=error_feedback, window=window)
 

@@ -29,7 +29,8 @@ class OneWorldSession:
         fed = cfg.federation
         if isinstance(self.run.layout, GroupLayout):  # groups of unequal size: no rectangular mesh
             self.groups = build_unequal_groups(self.run.layout, device_type, timeout,
-                                               async_checkpoint=cfg.checkpoint.async_save)
+                                               async_checkpoint=cfg.checkpoint.async_save,
+                                               exchange=bool(fed.overlap_steps))
             return self.groups
         self.groups = build_process_groups(self.run.layout, device_type, timeout,
                                            exchange=bool(fed.overlap_steps) or (fed.tune and fed.tune_overlap),
