@@ -38,7 +38,6 @@ def test_group_sizes_give_a_layout_of_unequal_groups_and_equal_sizes_today_s_lay
     (("--fl-group-sizes", "8,4", "--fl-hsdp-shard-sizes", "4"), "1 values for 2 groups"),
     (("--fl-group-sizes", "8,2"), "holds 10 ranks but the job has 12"),
     (("--fl-group-sizes", "6,6"), "must cover whole nodes of 4 ranks"),
-    (("--fl-group-sizes", "8,4", "--backend", "megatron"), "backend megatron: the atom plan needs"),
     (("--fl-group-sizes", "8,4", "--fl-topology", "ring"), "topology ring"),
     (("--fl-group-sizes", "8,4", "--fl-tune"), "tune: its probe"),
     (("--fl-group-sizes", "8,4", "--fl-inner-state", "average"), "inner_state average"),

@@ -178,3 +178,28 @@ def test_deepspeed_groups_of_3_and_1_ranks_sync_to_the_mean_of_the_groups_alone(
         for k in a:
             assert torch.equal(after[k], (a[k] + b[k]) / 2), (rank, k)
         assert r["fed_padding_zero"] and r["alone_padding_zero"]
+
+
+def _megatron_job(rank, world, tmp, cache):
+    out = {}
+    for name, h in (("alone", 0), ("fed", 2)):
+        cfg = _config(f"{tmp}/mc-{name}", cache, sizes="2,1", sync_interval=h, steps=2, backend="megatron")
+        cfg.parallel.ranks_per_node = 3
+        trainer = make_trainer(cfg)
+        trainer.train()
+        out[name] = (trainer.group, _full(trainer))
+        trainer.close()
+    return out
+
+
+def test_megatron_groups_of_2_and_1_ranks_sync_to_the_mean_of_the_groups_alone(tmp_path):
+    """megatron-core's DistributedOptimizer cuts its padded buffers, not the parameters: the plan
+    gathers every rank's ranges at start-up; the sync gives the mean of the groups alone, bit for bit."""
+    results = run_ranks(3, _megatron_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    alone = {group: state for group, state in (r["alone"] for r in results)}
+    a, b = ({k: torch.tensor(v) for k, v in alone[g].items()} for g in (0, 1))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    for rank, r in enumerate(results):
+        after = {k: torch.tensor(v) for k, v in r["fed"][1].items()}
+        for k in a:
+            assert torch.equal(after[k], (a[k] + b[k]) / 2), (rank, k)

@@ -151,6 +151,15 @@ class MegatronBackend(SavesInTheForeground):
             main.copy_(full(names[id(param)]).reshape(-1)[start:stop])
         self.refresh_after_sync()
 
+    def atom_cut(self) -> tuple[str, list[tuple]]:
+        return self.shards.atom_cut()
+
+    def atom_ranges(self) -> list:
+        return self.shards.atom_ranges()
+
+    def atom_shards(self) -> list[torch.Tensor]:
+        return self.shards.atom_shards()
+
     def local_shards(self) -> list[torch.Tensor]:
         return self.shards.local_shards()
 

@@ -30,6 +30,24 @@ class MegatronMainShards:
         for _, param, main, start, stop in main_shard_entries(self.dist_opts):
             yield param, main, start, stop
 
+    def atom_cut(self) -> tuple[str, list[tuple]]:
+        """How `atom_shards` cut every parameter across a group, for groups of unequal size: by
+        megatron's own buffer map ("ranges": `atom_ranges` gives this rank's part; the plan gathers
+        every rank's), each parameter's shape, in the order of `names`."""
+        by_id = {id(p): p for chunk in self.model_chunks for p in chunk.parameters()}
+        return "ranges", [tuple(by_id[key].shape) for key in self.names]
+
+    def atom_ranges(self) -> list:
+        """This rank's [start, stop) of each flattened parameter (None where it holds none), in
+        `atom_cut`'s order."""
+        spans = {id(param): (start, stop) for param, _, start, stop in self.entries()}
+        return [spans.get(key) for key in self.names]
+
+    def atom_shards(self) -> list[torch.Tensor]:
+        """Every parameter's fp32 main shard, flat (empty where this rank holds none), in
+        `atom_cut`'s order."""
+        return [t for _, t in self.named_shards()]
+
     def local_shards(self) -> list[torch.Tensor]:
         """The fp32 main shards the inner optimizer updates, in megatron's (deterministic) order."""
         return [main for _, main, _, _ in self.entries()]

@@ -11,9 +11,6 @@ def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: Chec
                            deepspeed: Optional[dict] = None) -> list[str]:
     """Every setting a layout of unequal groups cannot run yet, each with why."""
     problems = []
-    if backend not in ("fsdp2", "deepspeed"):
-        problems.append(f"backend {backend}: the atom plan needs each rank's element ranges of every parameter, "
-                        "which fsdp2 and deepspeed give so far (megatron's buffer map is next)")
     if "train_batch_size" in (deepspeed or {}):
         problems.append("a DeepSpeed train_batch_size: it is one group's batch, which differs between groups of "
                         "unequal size; give --global-batch-size (over all ranks) or gradient_accumulation_steps")

@@ -8,6 +8,7 @@ averaged over the atom communicators of an `AtomPlan` (atom_average.py), and the
 job-wide reductions run over the leaders, the first rank of every group.
 """
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, Optional, Sequence, Tuple
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..atom_plan import AtomPlan, plan_for_shapes
+from ..atom_plan import AtomPlan, plan_atoms, plan_for_shapes
 from ..group_layout import GroupLayout
 from ..topology import MESH_DIM_NAMES
 from .atom_average import AtomAverager, build_atom_groups, fragment_windows, window_views
@@ -137,13 +138,48 @@ def _new_groups(member_lists: list, rank: int, timeout: Optional[timedelta], bac
 
 
 def plan_shards(groups: UnequalGroups, shapes: Sequence[Sequence[int]], rule: str = "fsdp2",
-                timeout: Optional[timedelta] = None) -> AtomPlan:
+                timeout: Optional[timedelta] = None, ranges: Optional[list] = None) -> AtomPlan:
     """The atom plan of tensors of `shapes` (the model's parameters, in its order) cut by the
     backend's `rule`, with this rank's atom communicators made into `groups.atoms`
-    (collective over the world, as `build_unequal_groups`)."""
-    plan = plan_for_shapes(groups.whole.groups, shapes, rule)
+    (collective over the world, as `build_unequal_groups`). Rule "ranges": every rank's
+    `ranges` (its shard's [start, stop) of each tensor, None where it holds none) are gathered,
+    as its backend laid them out, instead of a rule computing them."""
+    if rule == "ranges":
+        numels = [math.prod(shape) for shape in shapes]
+        plan = plan_atoms(groups.whole.groups, gathered_cuts(groups, ranges, numels), numels)
+    else:
+        plan = plan_for_shapes(groups.whole.groups, shapes, rule)
     groups.atoms = build_atom_groups(plan, groups.rank, timeout=timeout if timeout is not None else groups.timeout)
     return plan
+
+
+def gathered_cuts(groups: UnequalGroups, ranges: list, numels: Sequence[int]) -> list:
+    """cuts[t][f] (S_f + 1 offsets) of every group, from each rank's own `ranges`: gathered in the
+    shard group, then over the groups' first ranks, then from each to its group (start-up only)."""
+    shard_group = groups.shard_mesh.get_group(MESH_DIM_NAMES[2])
+    mine: list = [None] * dist.get_world_size(shard_group)
+    dist.all_gather_object(mine, ranges, group=shard_group)
+    cuts = [_cut_of(numel, [r[t] for r in mine]) for t, numel in enumerate(numels)]
+    every = [cuts]
+    if groups.whole.num_groups > 1:
+        every = [None] * groups.whole.num_groups
+        if groups.is_leader:
+            dist.all_gather_object(every, cuts, group=groups.leaders)
+        dist.broadcast_object_list(every, group_src=0, group=groups.federation)
+    return [[every[f][t] for f in range(len(every))] for t in range(len(numels))]
+
+
+def _cut_of(numel: int, spans: list) -> tuple:
+    """The S + 1 offsets of a tensor cut over S ranks from each rank's [start, stop) (None: none)."""
+    cut = [0]
+    for span in spans:
+        if span is not None and span[0] != cut[-1]:
+            raise ValueError(f"a rank's range {span} of a tensor does not start where the previous rank's ends "
+                             f"({cut[-1]}): the backend's shards are not contiguous in rank order")
+        cut.append(cut[-1] if span is None else span[1])
+    if cut[-1] != numel:
+        raise ValueError(f"the ranks' ranges of a tensor of {numel} elements end at {cut[-1]}")
+    return tuple(cut)
 
 
 @dataclass
@@ -182,4 +218,5 @@ def atom_averaging(groups: UnequalGroups, backend, bucket_bytes: int, ledger=Non
         raise ValueError("this backend cannot average groups of unequal size: it does not say how it cuts its "
                          "parameters (atom_cut)")
     rule, shapes = cut()
-    return AtomAveraging(plan_shards(groups, shapes, rule), groups, bucket_bytes, ledger)
+    ranges = backend.atom_ranges() if rule == "ranges" else None
+    return AtomAveraging(plan_shards(groups, shapes, rule, ranges=ranges), groups, bucket_bytes, ledger)

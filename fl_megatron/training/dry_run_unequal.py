@@ -48,7 +48,9 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
         return lines + ["  per federation sync: none (averaging disabled or a single group)"]
     started = time.perf_counter()
     shapes = [tuple(p.shape) for p in build_model(cfg.model, "meta").parameters()]
-    plan = plan_for_shapes(layout.groups, shapes, "fsdp2")
+    backend = cfg.parallel.backend
+    # DeepSpeed's flat cut; megatron's padded buffers are laid out at start-up: the flat cut comes closest
+    plan = plan_for_shapes(layout.groups, shapes, "fsdp2" if backend == "fsdp2" else "flat")
     seconds = time.perf_counter() - started
     costs = plan.costs()
     busiest = max(costs, key=lambda c: c.max_elements)
@@ -59,7 +61,8 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
               f"    {len(plan.owner_tuples()):,} communicators across groups (owner tuples), planned in "
               f"{seconds:.2f} s; a sync lasts as long as its busiest rank's exchange: group {busiest.group}'s ranks "
               f"carry {busiest.max_elements / max(1, least.max_elements):.1f}x the elements of group "
-              f"{least.group}'s",
+              f"{least.group}'s" + (" (megatron: its buffer map approximated by ZeRO-3's flat cut; a run "
+                                     "reads the real one)" if backend == "megatron" else ""),
               f"    vote: all-reduce (max) of {9 * layout.num_groups + 2} numbers over the {layout.num_groups} groups' "
               "first ranks, then a broadcast inside each group; metrics: 3 numbers the same way", ""]
     return lines
