@@ -144,6 +144,18 @@ def test_a_run_of_groups_of_4_and_2_ranks_resumes_exactly_and_exports(tmp_path):
     assert export.returncode == 0 and (tmp_path / "hf" / "config.json").exists(), export.stderr[-2000:]
 
 
+def _assert_the_mean_of_the_groups_alone(results: list) -> None:
+    """Every rank's state after the sync ("fed") is the mean of the two groups' states trained
+    alone ("alone"), bit for bit, and the groups alone had moved apart."""
+    alone = {group: state for group, state in (r["alone"] for r in results)}
+    a, b = ({k: torch.tensor(v) for k, v in alone[g].items()} for g in (0, 1))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    for rank, r in enumerate(results):
+        after = {k: torch.tensor(v) for k, v in r["fed"][1].items()}
+        for k in a:
+            assert torch.equal(after[k], (a[k] + b[k]) / 2), (rank, k)
+
+
 SMALL_PERSISTENCE = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 2000}}
 
 
@@ -170,14 +182,8 @@ def test_deepspeed_groups_of_3_and_1_ranks_sync_to_the_mean_of_the_groups_alone(
     atoms by the flat rule: the sync gives the mean of the two groups trained alone, bit for bit,
     and the padding stays zero."""
     results = run_ranks(4, _deepspeed_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
-    alone = {group: state for group, state in (r["alone"] for r in results)}
-    a, b = ({k: torch.tensor(v) for k, v in alone[g].items()} for g in (0, 1))
-    assert any(not torch.equal(a[k], b[k]) for k in a)
-    for rank, r in enumerate(results):
-        after = {k: torch.tensor(v) for k, v in r["fed"][1].items()}
-        for k in a:
-            assert torch.equal(after[k], (a[k] + b[k]) / 2), (rank, k)
-        assert r["fed_padding_zero"] and r["alone_padding_zero"]
+    _assert_the_mean_of_the_groups_alone(results)
+    assert all(r["fed_padding_zero"] and r["alone_padding_zero"] for r in results)
 
 
 def _megatron_job(rank, world, tmp, cache):
@@ -195,11 +201,5 @@ def _megatron_job(rank, world, tmp, cache):
 def test_megatron_groups_of_2_and_1_ranks_sync_to_the_mean_of_the_groups_alone(tmp_path):
     """megatron-core's DistributedOptimizer cuts its padded buffers, not the parameters: the plan
     gathers every rank's ranges at start-up; the sync gives the mean of the groups alone, bit for bit."""
-    results = run_ranks(3, _megatron_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
-    alone = {group: state for group, state in (r["alone"] for r in results)}
-    a, b = ({k: torch.tensor(v) for k, v in alone[g].items()} for g in (0, 1))
-    assert any(not torch.equal(a[k], b[k]) for k in a)
-    for rank, r in enumerate(results):
-        after = {k: torch.tensor(v) for k, v in r["fed"][1].items()}
-        for k in a:
-            assert torch.equal(after[k], (a[k] + b[k]) / 2), (rank, k)
+    _assert_the_mean_of_the_groups_alone(run_ranks(3, _megatron_job, str(tmp_path), str(tmp_path / "cache"),
+                                                   timeout=600))
