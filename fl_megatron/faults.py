@@ -11,7 +11,8 @@ with its connections open, which the others can only notice by the collective ti
 STEP)` true: the trainer then writes a NaN into that group's shards after that step (a sick
 group for the sync to find).
 Stragglers: `delay:GROUP:STEP:SECONDS` makes every rank of that group sleep that long before
-that step; `jitter:MEAN:SEED` makes every group sleep before every step for a random time
+that step; `slow:GROUP:SECONDS` before every step (a group on slower hardware; several may be
+given); `jitter:MEAN:SEED` makes every group sleep before every step for a random time
 (exponential, mean MEAN seconds, drawn from SEED, the group and the step: the same on all ranks
 of a group). `lockstep` ends every step with a world all-reduce, as the loop did before the
 groups stopped meeting between syncs (the benchmark's "before" row). `slow-sync:SECONDS@STEP`
@@ -75,13 +76,16 @@ def commit_refused(group: int, step: int) -> bool:
 
 
 def delay_seconds(group: int, step: int) -> float:
-    """How long this group sleeps before optimizer step `step` (1-based): delay and jitter faults."""
+    """How long this group sleeps before optimizer step `step` (1-based): delay, slow and jitter faults."""
     total = 0.0
     for fault in _faults():
         name, _, rest = fault.partition(":")
         if name == "delay":
             g, s, seconds = rest.split(":")
             total += float(seconds) if (int(g), int(s)) == (group, step) else 0.0
+        elif name == "slow":
+            g, seconds = rest.split(":")
+            total += float(seconds) if int(g) == group else 0.0
         elif name == "jitter":
             mean, seed = rest.split(":")
             total += random.Random(f"{seed}:{group}:{step}").expovariate(1 / float(mean)) if float(mean) > 0 else 0.0

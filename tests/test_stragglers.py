@@ -42,8 +42,9 @@ def test_a_delayed_group_holds_up_only_the_next_sync(tmp_path, coupled):
 
 
 def test_delay_and_jitter_faults(monkeypatch):
-    """delay:G:S:T hits group G before step S only; jitter:M:SEED is the same on every rank of a
-    group (a function of seed, group and step), differs between groups, and averages M."""
+    """delay:G:S:T hits group G before step S only; slow:G:T before every step; jitter:M:SEED is
+    the same on every rank of a group (a function of seed, group and step), differs between
+    groups, and averages M."""
     from fl_megatron.faults import delay_seconds, lockstep
 
     monkeypatch.setenv("FL_MEGATRON_FAULT", "delay:1:2:3,jitter:0.05:7")
@@ -54,3 +55,7 @@ def test_delay_and_jitter_faults(monkeypatch):
     assert sum(jitter) / len(jitter) == pytest.approx(0.05, rel=0.1) and not lockstep()
     monkeypatch.setenv("FL_MEGATRON_FAULT", "delay:1:2:3,lockstep")
     assert delay_seconds(1, 2) == 3.0 and delay_seconds(0, 2) == 0.0 and delay_seconds(1, 3) == 0.0 and lockstep()
+    # slow:G:T hits group G before every step; several add up, and they add to a delay
+    monkeypatch.setenv("FL_MEGATRON_FAULT", "slow:1:0.25,slow:2:0.5,slow:2:0.25,delay:1:4:1")
+    assert [delay_seconds(g, 3) for g in range(3)] == [0.0, 0.25, 0.75]
+    assert delay_seconds(1, 4) == 1.25 and delay_seconds(1, 400) == 0.25
