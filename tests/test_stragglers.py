@@ -39,6 +39,11 @@ def test_a_delayed_group_holds_up_only_the_next_sync(tmp_path, coupled):
     between = [mine[s] for s in range(2, 8)]
     assert max(between) < 1.0 and sum(between) < DELAY_S / 2, mine  # steps 2-7 at group 0's own pace
     assert mine[8] >= DELAY_S * 0.8, mine  # the sync after step 8 waited for group 1
+    # the summary says who waited: group 0, at the vote, for about the delay; group 1 hardly
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    waits = summary["vote_wait_seconds_per_group"]
+    assert waits[0] >= DELAY_S * 0.8 and waits[1] < DELAY_S / 3, waits
+    assert "time in votes, mostly waiting for the slower groups: group 0 " in proc.stdout
 
 
 def test_delay_and_jitter_faults(monkeypatch):

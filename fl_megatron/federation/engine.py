@@ -64,6 +64,7 @@ class FederationEngine:
         self.vote: Optional[Vote] = None  # the last sync's vote (sick groups, group figures, stop requests)
         self.last_synced_step = 0  # the last sync that averaged every fragment
         self.committed_syncs = 0   # syncs kept (committed or landed): elastic groups that differ in it differ in state
+        self.vote_seconds = 0.0    # time in votes: mostly waiting there for the slowest group to arrive
 
     # --- what the engine is now ---------------------------------------------------------------
     @property
@@ -194,9 +195,11 @@ class FederationEngine:
               peers: Peers) -> Senders:
         """The vote (kept in `self.vote`) and who sends, from it."""
         layout, group = self.groups.layout, self.groups.coords[0]
+        began = time.perf_counter()
         self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
                               self.config.sick_loss_ratio, self.groups.federation, self.groups.reduce_across_groups,
                               self._device_of(shards), peers.call)
+        self.vote_seconds += time.perf_counter() - began
         return Senders.of(self.vote, membership.groups, group, vote_failed=has_failed(peers.call))
 
     def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: Optional[Senders],

@@ -135,9 +135,12 @@ class Reporter:
         keys = sorted(snapshot)
         totals = torch.tensor([float(snapshot[k]) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)  # over the job: in elastic mode, this group
-        peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
+        # every rank's peak memory, its group and its time in votes (waiting for the other groups)
+        peak = torch.tensor([float(peak_memory_bytes(self.device)), float(self.group), self.engine.vote_seconds],
+                            dtype=torch.float64, device=self.device)
         peaks = [torch.zeros_like(peak) for _ in range(self.job_world_size)]
         dist.all_gather(peaks, peak)
+        waits = {int(p[1]): float(p[2]) for p in reversed(peaks)}  # each group's first rank's
         layout, start_step = self.run.layout, self.start_step
         tokens = (done - start_step) * self.run.tokens_per_step
         summary = {
@@ -151,7 +154,8 @@ class Reporter:
             "tokens_per_s": tokens / max(wall, 1e-9),
             "bytes_per_rank_rank0": snapshot,
             "bytes_all_ranks": {k: int(v) for k, v in zip(keys, totals.tolist())},
-            "peak_memory_bytes_per_rank": [int(p.item()) for p in peaks],
+            "peak_memory_bytes_per_rank": [int(p[0].item()) for p in peaks],
+            "vote_wait_seconds_per_group": [waits[g] for g in sorted(waits)],
             "peak_memory_kind": peak_memory_kind(self.device),
             "last_sync_step": self.engine.last_synced_step,
             "layout": {**(record := layout_record(layout)), "replicas": record["group_size"] // record["hsdp_shard_size"],
@@ -163,10 +167,18 @@ class Reporter:
             f"final train loss {math.nan if final_loss is None else final_loss:.4f}"
             + (f", eval loss {summary['eval_loss']:.4f} (perplexity {summary['eval_perplexity']:.2f})"
                if final_eval else "")
+            + self._wait_line(waits, wall)
             + f"\n  bytes per rank: intra-group {snapshot['intra_group_bytes'] / 2**20:,.1f} MiB, "
               f"inter-group {snapshot['inter_group_bytes'] / 2**20:,.1f} MiB; summary in {self.files.dir / 'summary.json'}"
             + self._export_hint(), self.is_writer)
         return summary
+
+    def _wait_line(self, waits: dict, wall: float) -> str:
+        """How long each group waited at the votes for the others (federated runs that synced)."""
+        if not self.federated or not self.engine.active:
+            return ""
+        shown = ", ".join(f"group {g} {s:.1f} s ({100 * s / max(wall, 1e-9):.0f} %)" for g, s in sorted(waits.items()))
+        return f"\n  time in votes, mostly waiting for the slower groups: {shown}"
 
     def _export_hint(self) -> str:
         """The command that turns the last checkpoint into a Hugging Face directory (with --save)."""
