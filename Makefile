@@ -103,7 +103,8 @@ FLOOR_TESTS ?= tests/test_fsdp2_backend.py tests/test_models.py tests/test_launc
 	tests/test_outer_sync.py::test_every_sync_option_on_every_backend \
 	tests/test_outer_sync.py::test_hsdp_overlap_on_its_own_communicators_matches_the_unthreaded_run \
 	tests/test_hf_export.py::test_default_export_is_the_groups_mean_and_transformers_agrees \
-	tests/test_hf_export.py::test_init_from_hf_reads_each_rank_its_rows
+	tests/test_hf_export.py::test_init_from_hf_reads_each_rank_its_rows \
+	tests/test_unequal_training.py::test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone
 test-torch-floor:
 	$(MAKE) VENV=$(FLOOR_VENV) TORCH_SPEC="$(TORCH_FLOOR_SPEC)" TORCH_INDEX= $(FLOOR_VENV)/.test-extras
 	$(FLOOR_VENV)/bin/python -c "import torch; print('test-torch-floor: torch', torch.__version__)"
