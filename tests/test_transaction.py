@@ -27,7 +27,8 @@ def _elastic_groups(world, votes: list):
     groups = SimpleNamespace(layout=layout, coords=(0, 0, 0), rank=0, peer=world, replica=None, federation=world,
                              exchange_peer=None, meet=lambda: whole_federation(2, 0), tier=lambda kind: "inter-node",
                              device_type="cpu", errors=[],
-                             all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world))
+                             all_reduce_job=lambda tensor, op=dist.ReduceOp.SUM: dist.all_reduce(tensor, op, group=world),
+                             reduce_across_groups=lambda tensor, op, call: call(dist.all_reduce, tensor, op=op, group=world))
     groups.transaction = lambda backend, state: RollbackTransaction(groups, backend, state)
     groups.report_error = groups.errors.append
     groups.peer_deadline = lambda: None
