@@ -119,3 +119,16 @@ def test_the_readme_s_two_site_recipe_prints_what_the_docs_quote(capsys):
                    "group 1: 128 ranks (HSDP 8 x 16), up to 62,736,416 elements (239.3 MiB)",
                    "in up to 5 communicators", "536 communicators across groups", "carry 3.0x the elements"):
         assert quoted in out, quoted
+
+
+def test_a_damaged_group_list_in_checkpoint_metadata_is_named():
+    from fl_megatron.checkpoint.metadata_schema import metadata_problems
+
+    meta = build_metadata(_run("--fl-group-sizes", "8,4"), 4, 4, True, "exact", [0, 1],
+                          SyncMode("fp32", 0, 1, 8, False))
+    meta["manifest"] = {}
+    assert metadata_problems(meta) == []
+    for key, value in (("group_sizes", 12), ("hsdp_shard_sizes", [8]), ("group_ranks_per_node", [8, "4"])):
+        damaged = {**meta, "layout": {**meta["layout"], key: value}}
+        assert metadata_problems(damaged) == [f"layout.{key} is {value!r}, not a positive integer for each of "
+                                              "the 2 groups"]

@@ -35,6 +35,21 @@ def _lookup(meta: dict, path: tuple):
     return value
 
 
+def _group_list_problems(layout: dict) -> list[str]:
+    """Problems of the per-group lists a layout may record (groups of unequal size): a positive
+    integer per group, or (`group_ranks_per_node`) none at all."""
+    problems = []
+    for key in ("group_sizes", "hsdp_shard_sizes", "group_ranks_per_node"):
+        value = layout.get(key)
+        if value is None or (key == "group_ranks_per_node" and value == []):
+            continue
+        if not isinstance(value, list) or len(value) != layout["num_groups"] or \
+                not all(_CHECKS[_INT](v) and v > 0 for v in value):
+            problems.append(f"layout.{key} is {value!r}, not a positive integer for each of the "
+                            f"{layout['num_groups']} groups")
+    return problems
+
+
 def metadata_problems(meta: dict) -> list[str]:
     """Every field of `meta` that is missing or of the wrong kind (empty: usable)."""
     problems = []
@@ -56,6 +71,7 @@ def metadata_problems(meta: dict) -> list[str]:
         problems.append(f"groups_saved {groups!r} is not a list of group numbers below layout.num_groups")
     if meta["layout"]["num_groups"] < 1 or meta["layout"]["world_size"] < 1:
         problems.append("layout has no ranks or no groups")
+    problems += _group_list_problems(meta["layout"])
     unknown = sorted(set(meta["model"]) - _MODEL_FIELDS)
     if unknown or not all(isinstance(v, (int, float, str, bool, type(None))) for v in meta["model"].values()):
         problems.append(f"model is not a model description (unknown or non-scalar fields {unknown or ''})")
