@@ -6,13 +6,14 @@ tuple, packed into buckets, in the plan's sorted order of tuples on every rank (
 no two ranks wait on each other's later collective, on NCCL's one stream as on gloo). With HSDP
 each replica then broadcasts the slices it averaged to the other replicas of its shard.
 
-Blocking; fp32 (AVG, two buckets in flight), or compressed per bucket over the tuple's
-communicator (compression.py: bf16, int8, int4, with error feedback per bucket). Groups left out
-(sick) send zeros and take the others' mean. Weights and the overlapped exchange build on it
-(issue 40). `TensorShards` hands the engine a
-backend's shards tensor by tensor, the plan's order.
+fp32 (AVG, two buckets in flight), or compressed per bucket over the tuple's communicator
+(compression.py: bf16, int8, int4, with error feedback per bucket); blocking, or in an overlapped
+sync's thread. Groups left out (sick) send zeros and take the others' mean. The variance metric
+samples blocks of the buckets as ShardAverager does. `TensorShards` hands the engine a backend's
+shards tensor by tensor, in the plan's order.
 """
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
@@ -22,9 +23,10 @@ import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
 from .averaging import SyncStats
-from .fragments import fragment_bounds
 from .compression import compressed_mean_
+from .consensus import sampled_blocks
 from .failed_collective import call_directly
+from .fragments import fragment_bounds
 from .ledger import CommLedger
 
 MAX_IN_FLIGHT = 2  # packed buckets alive at once
@@ -107,7 +109,8 @@ def _buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
 
 @dataclass
 class _Flight:
-    """One bucket's all-reduce in flight: the buffer, this rank's values before it, where they go."""
+    """One bucket's all-reduce in flight: the buffer, this rank's sampled values before it, where
+    they go."""
 
     buffer: torch.Tensor
     own: torch.Tensor
@@ -139,7 +142,8 @@ class AtomAverager:
     def __init__(self, plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], dist.ProcessGroup], *,
                  replica_group=None, bucket_bytes: int = 32 << 20, ledger: Optional[CommLedger] = None,
                  peer_tier: str = "inter-node", replica_tier: str = "intra-node", sync_dtype: str = "fp32",
-                 error_feedback: bool = False, window: Optional[Tuple[int, int]] = None) -> None:
+                 error_feedback: bool = False, window: Optional[Tuple[int, int]] = None,
+                 max_samples: int = 1 << 18) -> None:
         """`window`: average only the elements [start, stop) of the model's tensors taken as one
         flat sequence in the plan's order (a fragment: `fragment_windows`); the shards given to
         `average` are then `window_views` of the rank's shards."""
@@ -165,6 +169,9 @@ class AtomAverager:
             raise ValueError(f"no communicator for owner tuple(s) {missing[:3]}: build them with build_atom_groups")
         self.rounds = [(communicators[owners], _buckets(pieces, self.bucket_elements))
                        for owners, pieces in sorted(by_tuple.items())]
+        # the variance metric's sampling stride: about max_samples of this rank's averaged elements
+        averaged = sum(p.length for _, buckets in self.rounds for bucket in buckets for p in bucket)
+        self.stride = max(1, math.ceil(averaged / max_samples))
         # per replica of this rank's shard: the buckets of the slices it averaged, cut once
         self.replica_slices = [_buckets(self._slices_of(r), self.bucket_elements)
                                for r in range(self.replicas)] if self.replicas > 1 else []
@@ -208,7 +215,7 @@ class AtomAverager:
                 if len(in_flight) >= MAX_IN_FLIGHT:
                     self._land(in_flight.pop(0), flats, stats, sums, call)
                 buffer = self._pack(bucket, flats)
-                own = buffer.clone()  # the variance metric's reference
+                own = sampled_blocks(buffer, self.stride).clone()  # the variance metric's sample, before
                 index += 1
                 if self.sync_dtype != "fp32":  # encoded, summed in fp32, the mean encoded once (blocking)
                     residual = self.residuals.setdefault(index - 1, torch.zeros_like(buffer)) \
@@ -259,9 +266,10 @@ class AtomAverager:
         if item.divisor is not None:
             item.buffer.div_(item.divisor)
         # a left-out group's own values may be non-finite: they count as its distance from the mean
-        sums[0] += (item.own.double().nan_to_num(0.0, 0.0, 0.0) - item.buffer.double()).pow(2).sum()
-        sums[1] += item.buffer.double().pow(2).sum()
-        stats.samples += item.buffer.numel()
+        averaged = sampled_blocks(item.buffer, self.stride).double()
+        sums[0] += (item.own.double().nan_to_num(0.0, 0.0, 0.0) - averaged).pow(2).sum()
+        sums[1] += averaged.pow(2).sum()
+        stats.samples += item.own.numel()
         self._unpack(item.buffer, item.bucket, flats)
 
     def _count(self, stats: SyncStats, nbytes: int, scope: str, tier: str) -> None:

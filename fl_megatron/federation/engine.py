@@ -46,13 +46,13 @@ class FederationEngine:
         # the exchange runs on communicators of its own where there are some (an overlapped sync's thread)
         peer = groups.exchange_peer or groups.peer
         replica = (groups.exchange_replica or groups.replica) if layout.is_hsdp else None
-        atoms = None
+        bucket_bytes, atoms = int(config.bucket_mb * (1 << 20)), None
         if isinstance(groups, UnequalGroups) and layout.is_federated:  # no peer group: average atom by atom
             backend = TensorShards(backend)
-            atoms = atom_averaging(groups, backend, int(config.bucket_mb * (1 << 20)), self.ledger)
+            atoms = atom_averaging(groups, backend, bucket_bytes, self.ledger)
         self.backend, self.groups = backend, groups
         self.averaging = AveragerSettings(peer, layout.num_groups, replica, layout.replicas, groups.coords[1],
-                                          config.replica_split, int(config.bucket_mb * (1 << 20)), self.ledger,
+                                          config.replica_split, bucket_bytes, self.ledger,
                                           groups.tier("peer"), groups.tier("replica"), atoms)
         active = layout.is_federated and config.syncing
         if active and settings.overlap_steps:
