@@ -53,6 +53,10 @@ def _job(rank, world):
             stats = averager.average(local)
             out[(case, bucket)] = ([x.tolist() for x in local], stats.inter_group_bytes, stats.intra_group_bytes,
                                    ledger.snapshot()["inter_group_bytes"])
+        if case == "4+2":  # token weights 3 : 1 (1.5 and 0.5): each element (1.5 a + 0.5 b) / 2
+            local = [_full(case, f, t)[slice(*plan.shard_range(rank, t))].clone() for t in range(len(SHAPES))]
+            AtomAverager(plan, rank, communicators, bucket_bytes=64).average(local, weight=(1.5, 0.5)[f])
+            out["weighted"] = [x.tolist() for x in local]
     dist.barrier()
     return out
 
@@ -90,4 +94,10 @@ def test_unequal_groups_average_to_the_mean_of_their_full_tensors():
                     assert torch.equal(assembled[0][t], (before[0] + before[1]) / 2), (case, bucket, t)
                 else:
                     torch.testing.assert_close(assembled[0][t], sum(before) / len(before), rtol=1e-6, atol=1e-6)
+    plan = plan_for_shapes(groups_from_sizes((4, 2)), SHAPES)
+    for rank in range(6):
+        for t, values in enumerate(results[rank]["weighted"]):
+            lo, hi = plan.shard_range(rank, t)
+            expected = (0.75 * _full("4+2", 0, t) + 0.25 * _full("4+2", 1, t))[lo:hi]
+            torch.testing.assert_close(torch.tensor(values, dtype=torch.float32), expected, rtol=1e-6, atol=1e-6)
 

@@ -60,6 +60,14 @@ def _two_groups_job(rank, world):
         pos += n + rng.randint(0, 3)
     ShardAverager(group, 2, bucket_bytes=24).average([buf.narrow(0, a, n) for a, n in views])
     out["views"] = (_plain(buf), views)
+    # token weights 3 : 1 (vote.token_weight: 1.5 and 0.5), exact and int8; a sender alone (weight 1)
+    for dtype in ("fp32", "int8"):
+        shards = _shards(torch.float32, seed=7 + rank)
+        ShardAverager(group, 2, bucket_bytes=64, sync_dtype=dtype).average(shards, weight=(1.5, 0.5)[rank])
+        out[("weighted", dtype)] = [_plain(s) for s in shards]
+    shards = _shards(torch.float32, seed=7 + rank)
+    ShardAverager(group, 2, bucket_bytes=64).average(shards, include=rank == 0, contributors=1, weight=1.0)
+    out["weighted alone"] = [_plain(s) for s in shards]
     return out
 
 
@@ -103,6 +111,15 @@ def test_two_groups_average_to_the_closed_form_mean_whatever_the_bucketing():
         inside[start:start + n] = True
     assert torch.equal(buf0[inside], (raw[0][inside] + raw[1][inside]) / 2) and torch.equal(buf0[inside], buf1[inside])
     assert torch.equal(buf0[~inside], raw[0][~inside]) and torch.equal(buf1[~inside], raw[1][~inside])
+    a, b = _shards(torch.float32, seed=7), _shards(torch.float32, seed=8)
+    for dtype, tol in (("fp32", 1e-6), ("int8", 0.05)):
+        for got in (r0[("weighted", dtype)], r1[("weighted", dtype)]):
+            for x, y, g in zip(a, b, map(_tensor, got)):
+                torch.testing.assert_close(g, 0.75 * x + 0.25 * y, rtol=tol, atol=tol)
+                if x.numel() > 1 and dtype == "fp32":  # not the plain mean
+                    assert not torch.allclose(g, (x + y) / 2)
+    for got in (r0["weighted alone"], r1["weighted alone"]):  # group 1 left out: group 0's values
+        assert all(torch.equal(_tensor(g), x) for g, x in zip(got, a))
 
 
 def test_empty_list(world):

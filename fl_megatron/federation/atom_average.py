@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
-from .averaging import SyncStats
+from .averaging import SyncStats, weigh_
 from .compression import compressed_mean_
 from .consensus import sampled_blocks
 from .failed_collective import call_directly
@@ -190,11 +190,12 @@ class AtomAverager:
 
     @torch.no_grad()
     def average(self, shards: List[torch.Tensor], include: bool = True, contributors: Optional[int] = None,
-                mixing=None, peers=None) -> SyncStats:
+                mixing=None, peers=None, weight: Optional[float] = None) -> SyncStats:
         """Replace every shard by its mean over the groups, in place; returns what it moved and the
         sums of the variance metric. `contributors` < the number of groups: the groups with
         `include=False` send zeros and receive the mean of the others (ShardAverager's signature;
-        `peers.call` wraps every cross-group collective)."""
+        `peers.call` wraps every cross-group collective; `weight`: this group's weight in a
+        weighted mean, see averaging.weigh_)."""
         if mixing is not None:
             raise ValueError("groups of unequal size average over atoms: a gossip round has no peer group to mix along")
         call = peers.call if peers is not None else call_directly
@@ -217,21 +218,23 @@ class AtomAverager:
                 buffer = self._pack(bucket, flats)
                 own = sampled_blocks(buffer, self.stride).clone()  # the variance metric's sample, before
                 index += 1
+                divisor = weigh_(buffer, include, weight, contributors, len(self.plan.groups))
+                divides = contributors if divisor is None else divisor
                 if self.sync_dtype != "fp32":  # encoded, summed in fp32, the mean encoded once (blocking)
                     residual = self.residuals.setdefault(index - 1, torch.zeros_like(buffer)) \
                         if self.error_feedback else None
                     nbytes = call(compressed_mean_, buffer, group, self.sync_dtype, include=include,
-                                  contributors=contributors, residual=residual) or 0
+                                  contributors=divides, residual=residual) or 0
                     self._land(_Flight(buffer, own, bucket, None, None), flats, stats, sums, call)
                     self._count(stats, nbytes, "inter-group", self.peer_tier)
                     continue
-                if contributors is None:
+                if divides is None:
                     work = call(dist.all_reduce, buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
                 else:
                     if not include:
                         buffer.zero_()
                     work = call(dist.all_reduce, buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
-                in_flight.append(_Flight(buffer, own, bucket, work, contributors))
+                in_flight.append(_Flight(buffer, own, bucket, work, divides))
                 self._count(stats, buffer.numel() * 4, "inter-group", self.peer_tier)
         while in_flight:
             self._land(in_flight.pop(0), flats, stats, sums, call)

@@ -40,6 +40,18 @@ def gather_slices(buffer: torch.Tensor, slice_index: int, group) -> None:
         work.wait()
 
 
+def weigh_(buffer: torch.Tensor, include: bool, weight: Optional[float], contributors: Optional[int],
+           groups: int) -> Optional[int]:
+    """Before a weighted mean: a sender's `buffer` times its `weight` (in place; a group left out
+    sends zeros anyway). Returns the divisor of the sum that follows (the senders: `contributors`,
+    or all `groups`), or None without a weight (the plain mean's own path, bit for bit)."""
+    if weight is None:
+        return None
+    if include:
+        buffer.mul_(weight)
+    return contributors if contributors is not None else groups
+
+
 @dataclass(frozen=True)
 class Peers:
     """Who one average runs over: the peer group, how many groups are in it, and what every
@@ -117,17 +129,20 @@ class ShardAverager:
     @torch.no_grad()
     def average(self, shards: list[torch.Tensor], include: bool = True,
                 contributors: Optional[int] = None, mixing: Optional[Round] = None,
-                peers: Optional[Peers] = None) -> SyncStats:
+                peers: Optional[Peers] = None, weight: Optional[float] = None) -> SyncStats:
         """Replace every shard by its average over the federation groups, in place.
 
         `contributors` < the number of groups leaves some groups out: those ranks pass
         `include=False`, send zeros, and receive the mean of the others. With `mixing` (a
         gossip round, fp32 only) each shard becomes its weighted mix with the same shard of
         the round's neighbour groups instead, by point-to-point sends and receives. `peers`:
-        this average's peer group (default: the one the averager was made with)."""
+        this average's peer group (default: the one the averager was made with). `weight`: this
+        group's weight in a weighted mean (the weights of the senders sum to their number,
+        vote.token_weight); None: the plain mean."""
         peers = peers or self.peers
-        if mixing is not None and (self.sync_dtype != "fp32" or contributors is not None):
-            raise ValueError("a gossip round mixes fp32 shards of every group (no compression, nobody left out)")
+        if mixing is not None and (self.sync_dtype != "fp32" or contributors is not None or weight is not None):
+            raise ValueError("a gossip round mixes fp32 shards of every group (no compression, nobody left out, "
+                             "no weights)")
         for i, s in enumerate(shards):
             if not s.is_contiguous():
                 raise ValueError(f"shard {i} is not contiguous; the backend must hand out contiguous shards")
@@ -147,7 +162,7 @@ class ShardAverager:
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
                 packed_alive -= self._finish(pending.popleft(), flats, stats, sums, peers)
             pending.append(self._start(chunk, flats, stride, stats, peers, index, include,
-                                       contributors if left_out else None, mixing))
+                                       contributors if left_out else None, mixing, weight))
             packed_alive += not chunk.inplace
         while pending:
             self._finish(pending.popleft(), flats, stats, sums, peers)
@@ -156,7 +171,7 @@ class ShardAverager:
 
     def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats, peers: Peers,
                index: int = 0, include: bool = True, contributors: Optional[int] = None,
-               mixing: Optional[Round] = None) -> _InFlight:
+               mixing: Optional[Round] = None, weight: Optional[float] = None) -> _InFlight:
         if chunk.inplace:
             seg = chunk.segments[0]
             buffer = flats[seg.index].narrow(0, seg.start, seg.length)
@@ -169,6 +184,9 @@ class ShardAverager:
         region = buffer.narrow(0, start, part)
         valid = max(0, min(part, chunk.length - start))
         sample = sampled_blocks(region.narrow(0, 0, valid), stride).clone()
+        weighted = weigh_(region, include, weight, contributors, peers.size)
+        if weighted is not None:  # a weighted mean: the weighted values summed, divided by the senders
+            contributors = weighted
         work, divisor, received, gossip_works = None, None, [], []
         if mixing is not None:
             received = [torch.empty_like(region) for _ in mixing.receives]

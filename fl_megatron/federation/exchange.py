@@ -54,7 +54,7 @@ def average_fragments(state: SyncState, views: list, fragments: tuple, senders: 
         if outer is not None:
             outer.to_pseudo_gradients(views[fragment])
         stats.merge(state.averagers[fragment].average(views[fragment], senders.include, senders.contributors,
-                                                      peers=peers))
+                                                      peers=peers, weight=senders.weight))
         if outer is not None:
             outer.step(views[fragment])
     return stats

@@ -76,7 +76,8 @@ class OverlappedSyncs:
         def average(buffers: list) -> SyncStats:
             began = time.perf_counter()
             before_exchange()
-            stats = averager.average(buffers, senders.include, senders.contributors, peers=peers)
+            stats = averager.average(buffers, senders.include, senders.contributors, peers=peers,
+                                     weight=senders.weight)
             stats.exchange_seconds = time.perf_counter() - began
             return stats
 

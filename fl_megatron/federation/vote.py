@@ -7,7 +7,9 @@ ranks, who pass it on to their group), so every rank of the job ends with the sa
 collective spans the job. Each group fills its own slots of the peer vector; the others hold
 -inf, so MAX gathers the groups' figures (in elastic mode the slots of absent groups stay -inf).
 In elastic mode --fl-tune's choice rides here too: each group brings the mode it chose, and the
-lowest-numbered group that chose one decides for all who met.
+lowest-numbered group that chose one decides for all who met. With per-group step counts
+(rounds.py) each group also brings the tokens it trained since the last sync, which weight the
+average, and its step time, from which every rank plans the next round alike.
 """
 
 import math
@@ -39,6 +41,8 @@ class GroupFigures:
     timed_out: bool = False             # this rank is past --exit-duration-in-mins
     healing: bool = False               # the group took the live groups' state at this quorum (elastic)
     tune_choice: Optional[SyncMode] = None  # the mode --fl-tune chose at this sync (elastic: agreed in the vote)
+    tokens: Optional[int] = None        # per-group step counts: the group's tokens since the last sync
+    step_seconds: Optional[float] = None  # per-group step counts: the group's step time since the last sync
 
 
 @dataclass
@@ -53,9 +57,12 @@ class Vote:
     timed_out: bool = False   # some rank is past its time limit
     joining: list = field(default_factory=list)  # groups that healed at this quorum: they receive only
     tune_choice: Optional[SyncMode] = None  # the lowest-numbered group's --fl-tune choice, if any group chose
+    tokens: list = field(default_factory=list)        # per group, since the last sync (None where not given)
+    step_seconds: list = field(default_factory=list)  # per group (None where not given)
 
 
 MODE_SLOTS = 5  # a SyncMode as numbers: precision, error feedback, overlap, fragments, interval
+GROUP_SLOTS = 6 + MODE_SLOTS  # each group's numbers in the vote: sick, loss, norm, healing, tokens, step time, mode
 
 
 def _mode_slots(mode: Optional[SyncMode]) -> list[float]:
@@ -108,16 +115,19 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     `ProcessGroups.reduce_across_groups`); its collective goes through `peer_call` (elastic mode:
     the sync's PeerLatch)."""
     mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
-                         float(figures.healing), *_mode_slots(figures.tune_choice), float(figures.signalled),
+                         float(figures.healing), _slot(figures.tokens), _slot(figures.step_seconds),
+                         *_mode_slots(figures.tune_choice), float(figures.signalled),
                          float(figures.timed_out)], dtype=torch.float64, device=device_type)
+    # MAX inside the group: its slowest rank's step time (every rank brings the same tokens)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
-    per_group = 4 + MODE_SLOTS  # slots each group fills, one block of num_groups per figure
+    per_group = GROUP_SLOTS  # slots each group fills, one block of num_groups per figure
     table = torch.full((per_group * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
     table[[k * num_groups + group for k in range(per_group)]] = mine[:per_group]
     table[per_group * num_groups:] = mine[per_group:]
     across(table, dist.ReduceOp.MAX, peer_call)
     values = table.tolist()
-    bad, losses, norms, healing, *modes = (values[k * num_groups:(k + 1) * num_groups] for k in range(per_group))
+    bad, losses, norms, healing, tokens, seconds, *modes = (values[k * num_groups:(k + 1) * num_groups]
+                                                            for k in range(per_group))
     chosen = (_slots_mode([m[g] for m in modes]) for g in range(num_groups))
     tune_choice = next((mode for mode in chosen if mode is not None), None)
     sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
@@ -129,7 +139,8 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
             sick |= {g for g, v in known.items() if g not in sick and v > loss_ratio * best}
     shown = lambda v: None if v == -math.inf else v  # noqa: E731
     return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
-                values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0], tune_choice)
+                values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0], tune_choice,
+                [None if v == -math.inf else int(v) for v in tokens], [shown(v) for v in seconds])
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,7 @@ class Senders:
     sick: tuple               # groups left out as sick
     include: bool             # whether this rank's group sends
     contributors: Optional[int]  # groups that send, or None when every group of the meeting does
+    weight: Optional[float] = None  # this group's weight in the mean (its tokens over the senders' mean); None: 1 each
 
     @staticmethod
     def of(vote: Vote, members: tuple, group: int, vote_failed: bool = False) -> "Senders":
@@ -150,5 +162,17 @@ class Senders:
         if contributors == 0 and not vote_failed:
             raise AllGroupsSick(f"every federation group is sick at step {vote.step} (non-finite shards or a "
                                 "diverged loss): nothing is left to average; stopping without saving")
-        return Senders(tuple(vote.sick), group not in left_out,
-                       contributors if contributors != len(members) else None)
+        include = group not in left_out
+        weight = token_weight(vote.tokens, [g for g in members if g not in left_out], group) if include else None
+        return Senders(tuple(vote.sick), include, contributors if contributors != len(members) else None, weight)
+
+
+def token_weight(tokens: list, senders: list, group: int) -> Optional[float]:
+    """`group`'s weight in a mean over `senders` weighted by the tokens each trained since the last
+    sync: its tokens over the senders' mean, so that the weights sum to the number of senders and
+    the mean stays a sum divided by that number. None (every weight 1: the plain mean, bit for
+    bit) where the senders' tokens are equal or not given."""
+    counts = [tokens[g] if g < len(tokens) else None for g in senders]
+    if not counts or any(c is None for c in counts) or len(set(counts)) == 1:
+        return None
+    return tokens[group] * len(counts) / sum(counts)
