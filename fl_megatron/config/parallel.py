@@ -74,6 +74,15 @@ class FederationConfig:
         default="", metadata={"help": "with --fl-group-sizes, where the sites' nodes differ: each group's ranks "
                                       "(GPUs) per node, comma-separated (e.g. 8,4); every group then covers whole "
                                       "nodes of its own (default: --ranks-per-node for every group)"})
+    group_intervals: str = field(
+        default="", metadata={"help": "pin each group's optimizer steps per round, comma-separated in group order "
+                                      "(e.g. 8,4: a group twice as slow takes half the steps); the average is "
+                                      "weighted by the tokens each group trained and the learning rate follows the "
+                                      "federation's tokens (docs/heterogeneous.md, 'Groups of unequal speed')"})
+    balance_steps: bool = field(
+        default=False, metadata={"help": "plan each group's steps per round from its measured step time: the "
+                                         "fastest takes --fl-sync-interval, the others what fits in that time; "
+                                         "token-weighted average, learning rate on the federation's tokens"})
     replica_split: bool = field(
         default=True, metadata={"help": "FL+HSDP: each replica averages 1/P of the shard across groups, then "
                                         "the replicas all-gather (P times less inter-group traffic); "
@@ -283,6 +292,16 @@ class FederationConfig:
         return sizes, shards, nodes
 
     @property
+    def pinned_intervals(self) -> list[int]:
+        """--fl-group-intervals as counts (empty when not given). ValueError on a malformed list."""
+        return _int_list("group_intervals", self.group_intervals) if self.group_intervals else []
+
+    @property
+    def per_group_steps(self) -> bool:
+        """Whether groups take their own step counts per round (pinned or balanced)."""
+        return bool(self.group_intervals) or self.balance_steps
+
+    @property
     def syncing(self) -> bool:
         """Whether averaging happens at all (H > 0 and not disabled)."""
         return self.sync_interval > 0 and not self.disable_sync
@@ -294,6 +313,7 @@ class FederationConfig:
             if value is not None and value < 1:
                 errors.append(f"{name}={value} must be at least 1")
         errors += self._group_sizes_errors()
+        errors += self._per_group_steps_errors()
         if self.sync_interval < 0:
             errors.append(f"sync_interval={self.sync_interval} must be >= 0 (0 disables syncing)")
         if self.bucket_mb <= 0:
@@ -369,6 +389,33 @@ class FederationConfig:
         if self.elastic:
             errors.append("group_sizes describes one world; in elastic mode each group is its own job and "
                           "groups of unequal size are not supported yet (docs/heterogeneous.md)")
+        return errors
+
+    def _per_group_steps_errors(self) -> list[str]:
+        """What per-group step counts (--fl-group-intervals, --fl-balance-steps) cannot run with yet,
+        each with the reason (the layout checks the count of intervals against the groups)."""
+        try:
+            pinned = self.pinned_intervals
+        except ValueError as e:
+            return [str(e)]
+        if not self.per_group_steps:
+            return []
+        errors = []
+        if pinned and self.balance_steps:
+            errors.append("group_intervals pins each group's steps and balance_steps plans them: give one of them")
+        for wrong, why in ((not self.syncing, "the groups must sync (sync_interval > 0, syncing enabled)"),
+                           (self.elastic, "elastic mode: each group's job would need the others' plan at its "
+                                          "restart and heal"),
+                           (self.overlap_steps > 0, f"overlap_steps={self.overlap_steps}: an overlapped sync "
+                                                    "lands a fixed number of steps later, which differs per group"),
+                           (self.fragments > 1, f"fragments={self.fragments}: the fragments' turns are counted in "
+                                                "steps, which differ per group"),
+                           (self.tune, "tune: it picks one H for every group"),
+                           (self.gossip or self.dbench_metrics, f"topology {self.topology}"
+                                                                f"{' with DBench metrics' if self.dbench_metrics else ''}: "
+                                                                "the weighted average is a complete one")):
+            if wrong:
+                errors.append(f"per-group step counts (group_intervals, balance_steps) do not run with {why} yet")
         return errors
 
     def _elastic_errors(self) -> list[str]:

@@ -15,7 +15,7 @@ from .finite import nonfinite_fields, nonfinite_in_json
 from .model import ModelConfig
 from .parallel import FederationConfig, ParallelConfig
 from .training import TrainingConfig
-from .unequal_groups import unequal_group_problems
+from .unequal_groups import per_group_steps_problems, unequal_group_problems
 
 SECTIONS = ("model", "parallel", "federation", "training", "data", "checkpoint", "cluster")
 
@@ -118,6 +118,10 @@ class RunConfig:
             if problems:
                 raise ValueError(f"groups of unequal size ({self.federation.group_sizes}) cannot run this "
                                  "configuration yet: " + "; ".join(problems))
+        problems = per_group_steps_problems(self.federation, layout.num_groups)
+        if problems:
+            raise ValueError("per-group step counts (--fl-group-intervals, --fl-balance-steps) cannot run this "
+                             "configuration yet: " + "; ".join(problems))
         group_size = layout_group_size(layout)
         accumulation = self.accumulation_steps(world_size, group_size)
         if self.deepspeed is not None and self.parallel.backend != "deepspeed":

@@ -1,5 +1,6 @@
-"""What a federation of groups of unequal size (--fl-group-sizes) runs today, and what it refuses
-with the reason: the rest of issue 40 lifts these one by one (docs/heterogeneous.md)."""
+"""What a federation of groups of unequal size (--fl-group-sizes) or unequal speed (per-group step
+counts) runs today, and what it refuses with the reason: the rest of issue 40 lifts these one by
+one (docs/heterogeneous.md)."""
 
 from typing import Optional
 
@@ -23,4 +24,19 @@ def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: Chec
         problems.append("inner_state average: the inner moments would need the atom plan of the optimizer's state")
     if checkpoint.save and checkpoint.ckpt_mode == "compact":
         problems.append("ckpt_mode compact: it saves group 0's state for every group, whose shards differ here")
+    return problems
+
+
+def per_group_steps_problems(fed: FederationConfig, num_groups: int) -> list[str]:
+    """What per-group step counts cannot run with in this layout (the settings' own conflicts are
+    FederationConfig's), each with why."""
+    if not fed.per_group_steps:
+        return []
+    problems = []
+    if num_groups < 2:
+        problems.append("a single federation group: there is nobody to plan steps against")
+    pinned = fed.pinned_intervals
+    if pinned and len(pinned) != num_groups:
+        problems.append(f"group_intervals={fed.group_intervals!r} gives {len(pinned)} counts for {num_groups} "
+                        "groups: give one per group")
     return problems

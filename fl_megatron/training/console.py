@@ -64,6 +64,13 @@ def federation_line(layout: Layout, fed: FederationConfig) -> str:
         full = f", a full average every {fed.global_average_interval} syncs" if fed.global_average_interval else ""
         return (f"  federation: {graph} every {fed.sync_interval} steps{full}, a full average after the last"
                 f"{split}; DBench metrics at every sync")
+    if fed.per_group_steps:
+        plan = (f"each group its own steps per round ({'/'.join(map(str, fed.pinned_intervals))}, pinned)"
+                if fed.group_intervals else f"each group as many steps per round as fit in the fastest group's "
+                                            f"{fed.sync_interval} (balanced from the measured step times; the first "
+                                            "round one step each)")
+        return (f"  federation: token-weighted average after {plan}, and after the last; the lr follows the "
+                f"federation's tokens{split}{outer}")
     if fed.fragments > 1:
         return (f"  federation: average 1 of {fed.fragments} fragments every {fed.fragment_interval} steps, in turn "
                 f"(each every {fed.sync_interval} steps), all after the last{split}{outer}")

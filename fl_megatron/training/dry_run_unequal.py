@@ -8,6 +8,7 @@ from ..atom_plan import plan_for_shapes
 from ..config import ResolvedRun
 from ..cost_model.workload import gradient_bytes
 from ..costs import format_bytes, step_comm, working_bytes
+from ..federation.vote import GROUP_SLOTS
 from ..group_layout import GroupLayout
 from ..models import build_model
 from ..topology import make_layout
@@ -55,7 +56,8 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
     costs = plan.costs()
     busiest = max(costs, key=lambda c: c.max_elements)
     least = min(costs, key=lambda c: c.max_elements)
-    lines += [f"  per federation sync (every {fed.sync_interval} steps; fp32, atom by atom: each rank averages "
+    when = "each round" if fed.per_group_steps else f"every {fed.sync_interval} steps"
+    lines += [f"  per federation sync ({when}; fp32, atom by atom: each rank averages "
               "the elements it holds with the ranks holding them in the other groups):",
               *("    " + c.line(4) for c in costs),
               f"    {len(plan.owner_tuples()):,} communicators across groups (owner tuples), planned in "
@@ -63,6 +65,6 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
               f"carry {busiest.max_elements / max(1, least.max_elements):.1f}x the elements of group "
               f"{least.group}'s" + (" (megatron: its buffer map approximated by ZeRO-3's flat cut; a run "
                                      "reads the real one)" if backend == "megatron" else ""),
-              f"    vote: all-reduce (max) of {9 * layout.num_groups + 2} numbers over the {layout.num_groups} groups' "
+              f"    vote: all-reduce (max) of {GROUP_SLOTS * layout.num_groups + 2} numbers over the {layout.num_groups} groups' "
               "first ranks, then a broadcast inside each group; metrics: 3 numbers the same way", ""]
     return lines
