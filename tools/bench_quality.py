@@ -37,6 +37,10 @@ LAYOUTS = {
                                                 "--fl-overlap-steps", "1"]),
     "FL+FSDP nesterov int8+EF": (4, ["--fl-group-size", "2", "--fl-outer-optimizer", "nesterov",
                                      "--fl-sync-dtype", "int8", "--fl-error-feedback"]),
+    # groups of unequal speed (docs/heterogeneous.md): a pinned plan, token weights, the lr on the
+    # federation's tokens; (8, 8) is the equal plan in the same code path
+    "FL+FSDP plan 8,8": (4, ["--fl-group-size", "2", "--fl-group-intervals", "8,8"]),
+    "FL+FSDP plan 8,4": (4, ["--fl-group-size", "2", "--fl-group-intervals", "8,4"]),
 }
 # decentralised averaging over 8 groups of one rank (tools/bench_gossip.py): every one measures DBench metrics
 GOSSIP = ("complete", "ring", "exponential", "one-peer-exponential", "ada")
@@ -45,11 +49,13 @@ LAYOUTS.update({f"G8 {t}": (8, ["--fl-group-size", "1", "--fl-topology", t, "--f
 EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2),
             "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1),
             "FL+FSDP int4+EF 2 fragments overlap": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1),
+            "FL+FSDP plan 8,8": (2, 1), "FL+FSDP plan 8,4": (2, 1),
             **{f"G8 {t}": (8, 1) for t in GOSSIP}}
 PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP"),
          "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "int4": ("FL+FSDP", "FL+FSDP int4+EF"),
          "int4-frag2-overlap": ("FL+FSDP", "FL+FSDP int4+EF 2 fragments overlap"),
-         "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF")}
+         "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF"),
+         "plan-8-4": ("FL+FSDP plan 8,8", "FL+FSDP plan 8,4")}
 
 
 def run_one(name: str, seed: int, out: Path, extra: list[str], timeout: float, reuse: bool = False) -> dict:

@@ -92,6 +92,8 @@ class Checkpointer:
         # elastic mode: each group saves only its own state, in a directory of its own (--save DIR/group_GGGGG)
         self.own_group_only = run.cfg.federation.elastic
         self.tune_state = None  # --fl-tune: the tuner's state, saved in metadata.json beside the mode it chose
+        self.rounds_state = None  # per-group step counts: where the rounds stand (RoundClock.state)
+        self.resumed_rounds: Optional[dict] = None  # the rounds of the checkpoint resumed from
         self.group = engine.groups.coords[0]
         self.replica = engine.groups.coords[1]
         self._pruner: Optional[threading.Thread] = None  # rank 0 deleting old checkpoints
@@ -166,6 +168,8 @@ class Checkpointer:
             meta["federation"]["committed_syncs"] = self.engine.committed_syncs
             if self.tune_state is not None:
                 meta["federation"]["tune"] = self.tune_state()
+            if self.rounds_state is not None:
+                meta["federation"]["rounds"] = self.rounds_state()
         pending = PendingSave(root, iteration, staging, future, meta)
         if self.options.async_save:
             self.pending = pending
@@ -225,6 +229,11 @@ class Checkpointer:
                 say(f"  no checkpoint in {self.options.load} yet: starting from step 0")
             return 0
         path, meta = find_checkpoint(*source)
+        self.resumed_rounds = meta["federation"].get("rounds")
+        if self.resumed_rounds is not None and not self.run.cfg.federation.per_group_steps:
+            raise ValueError(f"the checkpoint {path} was trained with per-group step counts (each group at its own "
+                             f"step: {self.resumed_rounds['group_steps']}); resume it with --fl-group-intervals or "
+                             "--fl-balance-steps, or export it (tools/convert_checkpoint_to_hf.py)")
         sources, notes = source_groups(meta, self.run)
         source = group_dir(path, sources[self.group])
         try:

@@ -113,15 +113,18 @@ class FederationEngine:
 
     # --- after each step ----------------------------------------------------------------------
     def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None,
-                   figures: Optional[GroupFigures] = None, full: bool = False) -> Optional[SyncResult]:
+                   figures: Optional[GroupFigures] = None, full: bool = False,
+                   due: Optional[bool] = None) -> Optional[SyncResult]:
         """Call after optimizer step `step` (1-based) with the group's figures of that step (or
         just a `loss`); syncs when due and returns what it did (a landing that came first, at this
         step, rides along as `landed`). The vote lands in `self.vote`. `full`: a due sync averages
-        every fragment and blocks, as the last one does (before a switch of sync mode)."""
+        every fragment and blocks, as the last one does (before a switch of sync mode). `due`:
+        whether a sync follows, where the caller plans the rounds (per-group step counts; `step`
+        is then the round's federation step, the same on every group)."""
         landed = None
         if self.flight is not None and (step >= self.flight.due or last or full):
             landed = self.land()
-        if not self.due(step, last):
+        if not (self.due(step, last) if due is None else due):
             return landed
         if figures is None:
             figures = GroupFigures(loss=None if loss is None else float(loss))

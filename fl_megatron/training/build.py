@@ -7,7 +7,7 @@ meeting with the live groups, and the records."""
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -23,6 +23,7 @@ from .console import batch_line, federation_line, say
 from .dashboards import Dashboards, RunRecords
 from .determinism import make_deterministic
 from .failures import PhaseTracker
+from .group_rounds import GroupRounds, group_rounds
 from .initial_values import initial_values_for
 from .launch import LaunchEnv, init_distributed
 from .reporter import Reporter
@@ -50,10 +51,11 @@ class RunParts:
     ledger: CommLedger
     engine: FederationEngine
     checkpointer: Checkpointer
-    start_step: int
+    start_step: int           # this group's own step count (per-group step counts: its own; else the run's)
     reporter: Reporter
     checkpoints: CheckpointPolicy
     traffic: TrafficMeter
+    rounds: Optional[GroupRounds] = None  # per-group step counts: this group's rounds
 
 
 def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
@@ -81,20 +83,26 @@ def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
     engine = FederationEngine(backend, groups, cfg.federation, ledger, mode)
     checkpointer = Checkpointer(run, env.rank, backend, engine)
     tuning.attach(checkpointer, tune_state)
+    rounds = group_rounds(run, group) if engine.active else None
+    if rounds is not None:
+        checkpointer.rounds_state = rounds.clock.state
     start_step = checkpointer.resume(speak)
     time.sleep(restart_delay_seconds(group))  # a test's slow start of a restarted group (FL_MEGATRON_FAULT)
     start_step = session.join(backend, engine, checkpointer.loaded, start_step, tuning.tuner)
     files.open_metrics(start_step)
+    if rounds is not None and checkpointer.loaded:  # go on where the rounds stood, at this group's own step
+        rounds.resume(checkpointer.resumed_rounds, checkpointer.loaded)
+        start_step = rounds.own_steps
     group_writer = run.layout.is_federated and groups.coords[1:] == (0, 0)  # each group's first rank
     if group_writer:
-        files.open_group_metrics(group)
+        files.open_group_metrics(group, start_step)
     records = RunRecords(files, Dashboards(t, cfg.to_dict(), is_writer))
     reporter = Reporter(run, files, records, ledger, engine, session, group, is_writer, group_writer, env.device,
                         env.job_world_size)
     checkpoints = CheckpointPolicy(checkpointer, engine, cfg.checkpoint, t.train_iters, phases, reporter, tuning, speak,
                                    session)
     return RunParts(run, env, phases, files, train_source, valid_samples, session, groups, tuning, backend, ledger,
-                    engine, checkpointer, start_step, reporter, checkpoints, TrafficMeter(groups, ledger))
+                    engine, checkpointer, start_step, reporter, checkpoints, TrafficMeter(groups, ledger), rounds)
 
 
 def _session(run: ResolvedRun, env: LaunchEnv, speak: Callable[[str], None]):

@@ -17,13 +17,16 @@ class CheckpointPolicy:
         self.checkpointer, self.engine, self.options, self.session = checkpointer, engine, options, session
         self.train_iters, self.phases, self.reporter, self.tuning, self.say = train_iters, phases, reporter, tuning, say
 
-    def after_step(self, done: int, stopped: Optional[str], lr: float) -> None:
-        """After optimizer step `done` (and its records): publish what is due, save what is due."""
+    def after_step(self, done: int, stopped: Optional[str], lr: float, due: Optional[bool] = None) -> None:
+        """After optimizer step `done` (and its records): publish what is due, save what is due.
+        `due`: whether a save is due, where the caller decides (per-group step counts save at the
+        syncs, `done` being the round's federation step)."""
         if self.checkpointer.pending is not None and self._publish_due(done):
             self._publish_pending(done)
         options = self.options
-        if options.saving and (done == self.train_iters or stopped or
-                               (options.save_interval and done % options.save_interval == 0)):
+        if due is None:
+            due = done == self.train_iters or bool(options.save_interval and done % options.save_interval == 0)
+        if options.saving and (due or stopped):
             self.phases.enter("checkpoint-write", done)
             if self.engine.flight is not None:  # a sync in flight lands before the save; it is recorded
                 landed = self.engine.land()  # (elastic: committed or voted down here)

@@ -62,7 +62,7 @@ class Reporter:
         if outcome.figures is None and outcome.sync is None:
             return
         train_iters = self.run.cfg.training.train_iters
-        eta = self.elapsed() / (done - self.start_step) * (train_iters - done)
+        eta = max(0.0, self.elapsed() / (done - self.start_step) * (train_iters - done))  # (a group's own steps)
         if outcome.sync is not None and outcome.sync.landed is not None:
             self.landing(done, outcome.sync.landed, outcome.lr, "landed_before_sync")
         self._log_step(done, outcome, eta)
@@ -72,7 +72,8 @@ class Reporter:
         federation's (rank 0). See docs/metrics.md."""
         now, t, sync, figures = time.perf_counter(), self.run.cfg.training, outcome.sync, outcome.figures
         elapsed, per_step = now - self.started, self.run.tokens_per_step
-        vote = self.engine.vote if self.engine.vote is not None and self.engine.vote.step == done else None
+        at = sync.step if sync is not None else done  # per-group step counts: the round's federation step
+        vote = self.engine.vote if self.engine.vote is not None and self.engine.vote.step == at else None
         if figures is not None and (self.group_writer or not self.federated):
             steps, seconds = self.intervals[0].take(now)
             group_tokens = per_step // self.run.world_size * group_sizes_of(self.run.layout)[0][self.group]
@@ -90,8 +91,11 @@ class Reporter:
                 loss, norm, groups = vote_figures(vote)
             else:  # an overlapped sync landing: its figures were recorded at its launch
                 loss, norm, groups = None, None, {}
-            record = step_record(done, per_step, elapsed, loss, norm, outcome.lr,
-                                 steps * per_step / max(seconds, 1e-9), sync, self.ledger.snapshot(), seconds)
+            # per-group step counts: the round's tokens, as the vote gave them (a record per sync)
+            trained = sum(groups["group_tokens"]) if groups.get("group_tokens") and None not in groups["group_tokens"] \
+                else steps * per_step
+            record = step_record(at, per_step, elapsed, loss, norm, outcome.lr,
+                                 trained / max(seconds, 1e-9), sync, self.ledger.snapshot(), seconds)
             groups = {**groups, **self.session.record_fields(sync)}
             self._log_federation({k: v for k, v in {**record, **groups}.items() if v is not None}, sync, eta)
 
@@ -128,9 +132,10 @@ class Reporter:
 
     # --- the end ----------------------------------------------------------------------------
     def summary(self, final_loss: Optional[float], final_eval: Optional[dict], evals: list, wall: float,
-                done: int, stopped: Optional[str]) -> dict:
+                done: int, stopped: Optional[str], rounds=None) -> dict:
         """summary.json (rank 0) from one all-reduce and one all-gather over the job: the end of
-        the run may use the whole world. `final_loss`: the last step's train loss as recorded."""
+        the run may use the whole world. `final_loss`: the last step's train loss as recorded;
+        `rounds`: the RoundClock of per-group step counts (the tokens are the rounds')."""
         snapshot = self.ledger.snapshot()
         keys = sorted(snapshot)
         totals = torch.tensor([float(snapshot[k]) for k in keys], dtype=torch.float64, device=self.device)
@@ -142,7 +147,7 @@ class Reporter:
         dist.all_gather(peaks, peak)
         waits = {int(p[1]): float(p[2]) for p in reversed(peaks)}  # each group's first rank's
         layout, start_step = self.run.layout, self.start_step
-        tokens = (done - start_step) * self.run.tokens_per_step
+        tokens = (done - start_step) * self.run.tokens_per_step if rounds is None else rounds.round.start_tokens
         summary = {
             "first_step": start_step + 1, "last_step": done, "stopped_early": stopped,
             "final_train_loss": final_loss,
@@ -161,6 +166,7 @@ class Reporter:
             "layout": {**(record := layout_record(layout)), "replicas": record["group_size"] // record["hsdp_shard_size"],
                        "sync_interval": self.engine.config.sync_interval if self.engine.active else 0},
             **self.session.summary(),
+            **({"group_steps": rounds.group_steps, "rounds": rounds.round.index} if rounds is not None else {}),
         }
         self.files.write_summary(summary)
         say(f"done: {done - start_step} steps in {format_duration(wall)}, {summary['tokens_per_s']:,.0f} tok/s, "

@@ -4,6 +4,7 @@ and in a federated run groups/group_GGGGG.jsonl (each group's first rank writes 
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 from ..checkpoint.paths import write_text_durably
 
@@ -45,22 +46,24 @@ class RunFiles:
         self._resumed_at = resumed_at
         self._metrics = self._open_jsonl("metrics")
 
-    def open_group_metrics(self, group: int) -> None:
+    def open_group_metrics(self, group: int, resumed_at: Optional[int] = None) -> None:
         """Start this group's groups/group_GGGGG.jsonl (on the group's first rank, whether or not
-        it writes the run's files), by the same rule as metrics.jsonl."""
-        self._group = self._open_jsonl(group_metrics_name(group), always=True)
+        it writes the run's files), by the same rule as metrics.jsonl. `resumed_at`: the group's
+        own step where it differs from the run's (per-group step counts)."""
+        self._group = self._open_jsonl(group_metrics_name(group), always=True, resumed_at=resumed_at)
 
     def log_group(self, record: dict) -> None:
         if self._group is not None:
             self._group.write(json.dumps(record) + "\n")
 
-    def _open_jsonl(self, name: str, always: bool = False):
+    def _open_jsonl(self, name: str, always: bool = False, resumed_at: Optional[int] = None):
         if not (self.enabled or always):
             return None
         path = self.dir / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists() and self._resumed_at:
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= self._resumed_at]
+        resumed_at = self._resumed_at if resumed_at is None else resumed_at
+        if path.exists() and resumed_at:
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resumed_at]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
         elif path.exists():
             os.replace(path, path.with_name(f"{path.stem}.previous.jsonl"))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..federation import SyncResult
-from ..federation.vote import Vote
+from ..federation.vote import Vote, token_weight
 
 
 @dataclass
@@ -55,6 +55,11 @@ def vote_figures(vote: Vote) -> tuple[float, float, dict]:
     mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
     fields = {"group_losses": vote.losses, "group_grad_norms": vote.grad_norms,
               "loss_spread": (max(losses) - min(losses)) if losses else float("nan")}
+    if any(t is not None for t in vote.tokens):  # per-group step counts: what weighted this average (sum 1)
+        senders = [g for g in range(len(vote.tokens)) if g not in vote.sick and g not in vote.joining]
+        fields.update(group_tokens=vote.tokens, group_step_seconds=vote.step_seconds,
+                      group_weights=[(token_weight(vote.tokens, senders, g) or 1.0) / len(senders)
+                                     if g in senders else 0.0 for g in range(len(vote.tokens))])
     return mean(losses), mean(norms), fields
 
 

@@ -51,11 +51,14 @@ class StopPolicy:
         minutes = (time.monotonic() - self.started) / 60
         return (self.flag is not None and self.flag.received, limit is not None and minutes >= limit)
 
-    def reason(self, step: int, agreed: Optional[tuple[bool, bool]] = None) -> Optional[str]:
+    def reason(self, step: int, agreed: Optional[tuple[bool, bool]] = None,
+               exit_due: Optional[bool] = None) -> Optional[str]:
         """Why to stop after optimizer step `step` (1-based), or None. `agreed`: the requests
-        of every rank combined (any rank), or None where no agreement was made after this step."""
+        of every rank combined (any rank), or None where no agreement was made after this step;
+        `exit_due`: whether --exit-interval falls here, where the caller decides (per-group step
+        counts: at the first sync at or past each multiple)."""
         o = self.options
-        if o.exit_interval and step % o.exit_interval == 0:
+        if o.exit_interval and (step % o.exit_interval == 0 if exit_due is None else exit_due):
             return f"--exit-interval {o.exit_interval}"
         signalled, timed_out = agreed or (False, False)
         if signalled:

@@ -1,6 +1,7 @@
 """The training loop: train, sync, evaluate, save, report. What it runs on is built by build.py;
 what differs between one world and elastic mode is its session's (session.py, elastic/session.py)."""
 
+import dataclasses
 import math
 import time
 from typing import NamedTuple, Optional
@@ -49,6 +50,7 @@ class Trainer:
         self.checkpointer, self.checkpoints = parts.checkpointer, parts.checkpoints
         self.reporter, self.traffic, self.start_step = parts.reporter, parts.traffic, parts.start_step
         self.group = self.groups.coords[0]
+        self.rounds = parts.rounds  # per-group step counts (--fl-group-intervals, --fl-balance-steps)
         self._stop: Optional[StopPolicy] = None  # while train() runs
 
     # --- one step -------------------------------------------------------------------------
@@ -74,29 +76,37 @@ class Trainer:
         collective stays inside the federation group: the group's figures are reduced there (on
         logged steps, sync steps and, for a single group watching for a stop, every step), and
         the groups only meet in the sync's vote."""
-        t = self.cfg.training
+        t, rounds = self.cfg.training, self.rounds
         done, last = step + 1, step + 1 == t.train_iters
+        arrived = time.perf_counter()
         pause = delay_seconds(self.group, done)  # a straggler, for tests and benchmarks (FL_MEGATRON_FAULT)
         if pause:
             time.sleep(pause)
-        lr = learning_rate(step, t)
+        lr = learning_rate(rounds.position() if rounds else step, t)  # per-group counts: the federation's tokens
         trial = self.tuning.before_step(done, self.engine)
         began = time.perf_counter()
         loss, norm, lr = self.traffic.measured(self.traffic.step, lambda: self._train_step(step, lr))
         self.tuning.after_step(trial, time.perf_counter() - began)
+        at, due = done, None  # the sync's step, and whether one follows (None: the engine's schedule)
+        if rounds:
+            rounds.stepped(time.perf_counter() - arrived)
+            due, last = rounds.due, rounds.last
+            at = rounds.clock.sync_step() if due else done
         if nan_requested(self.group, done):  # a sick group, for tests (FL_MEGATRON_FAULT)
             with torch.no_grad():
                 self.backend.local_shards()[0].view(-1)[0] = math.nan
         self.session.at_step(done)
-        voting = self.engine.due(done, last)
+        voting = self.engine.due(done, last) if due is None else due
         figures = None
         if voting or last or done % t.log_interval == 0 or self._agrees_in_group():
             figures = self._group_figures(done, loss, norm)
+        if voting and rounds:
+            figures = dataclasses.replace(figures, **rounds.vote_fields())
         self.phases.enter("sync", done)
         choice = self.tuning.decide(done, self.engine.mode, voting, last)
         full = self.tuning.ask(choice, figures)
         try:
-            sync = self.engine.after_step(done, last=last, loss=loss, figures=figures, full=full)
+            sync = self.engine.after_step(at, last=last, loss=loss, figures=figures, full=full, due=due)
         except TooFewGroups as e:  # every rank of the group waited out the same quorum: the step stands
             return StepOutcome(loss, norm, lr, None, figures, e)
         switch = self.tuning.agreed(self.engine, sync, choice, done, voting)
@@ -105,6 +115,8 @@ class Trainer:
             self.reporter.log(decision)
         if lockstep():  # the coupled loop, for the benchmark's "before" row
             dist.all_reduce(torch.zeros(2, device=self.device))
+        if rounds and voting:  # every rank plans the next round alike, from the vote's step times
+            rounds.advance(self.engine.vote.step_seconds)
         if sync is not None:
             if sync.landed is not None:  # an overlapped sync that landed first, at this step
                 self.session.after_sync(sync.landed)
@@ -193,39 +205,72 @@ class Trainer:
         self.reporter.start(self.start_step)
         step = done = self.start_step
         stopped, last, too_few, evals = None, None, None, []
+        running = (lambda: self.rounds.running) if self.rounds else (lambda: step < t.train_iters)  # noqa: E731
         joined = self.session.joined_sync  # elastic: the sync this group healed at, before its first step
         if joined is not None and step < t.train_iters:  # a stop agreed there holds for it too
             stopped = stop.reason(step, self._agreed_stop(step, None, joined))
             if stopped:
                 say(f"  stopping at step {step}, where it healed ({stopped})", self.is_writer)
                 self.checkpoints.after_step(step, stopped, learning_rate(step, t))
-        while step < t.train_iters and not stopped:
+        while running() and not stopped:
             last = self.step(step)
             step = done = self.session.healed_step(last.sync) or step + 1  # a group behind jumps to the live step
             if last.too_few is not None:  # log, save (--save) this step's state, before the sync, and stop
                 too_few = last.too_few
                 stopped = f"too few groups at the sync of step {done}: {too_few}"
             else:
-                stopped = (stop.reason(done, self._agreed_stop(done, last.figures, last.sync))
-                           if done < t.train_iters else None)
+                stopped = self._stop_reason(stop, done, last)
             self.reporter.step(done, last)
-            self.checkpoints.after_step(done, stopped, last.lr)
-            if t.eval_iters and t.eval_interval and done % t.eval_interval == 0 and done != t.train_iters:
+            self._save_if_due(done, stopped, last)
+            if t.eval_iters and t.eval_interval and self._evaluation_due(done):
                 evals.append(self._evaluation(done))  # a stop at an evaluation step evaluates first
             if stopped:
                 say(f"  stopping after step {done} ({stopped})", self.is_writer)
                 break
-        self.checkpoints.finish(done)
+        self.checkpoints.finish(last.sync.step if self.rounds and last is not None and last.sync else done)
         wall = self.reporter.elapsed()
         final_eval = self._evaluation(done) if t.eval_iters and not stopped else None
         self.phases.enter("summary", done)
-        summary = self.reporter.summary(self._final_loss(done, last), final_eval, evals, wall, done, stopped)
+        summary = self.reporter.summary(self._final_loss(done, last), final_eval, evals, wall, done, stopped,
+                                        self.rounds.clock if self.rounds else None)
         # Leave together: a rank tearing down gloo while a peer is still in its last
         # collectives can abort the peer at exit.
         dist.barrier()
         if too_few is not None:
             raise too_few
         return summary
+
+    def _stop_reason(self, stop: StopPolicy, done: int, last: StepOutcome) -> Optional[str]:
+        """Why to stop after step `done`, or None (not after the last). With per-group step counts
+        only at a sync, at its federation step: the groups meet nowhere else, and --exit-interval
+        falls at the first sync at or past each multiple of it."""
+        if not self.rounds:
+            return stop.reason(done, self._agreed_stop(done, last.figures, last.sync)) \
+                if done < self.cfg.training.train_iters else None
+        if last.sync is None or not self.rounds.running:
+            return None
+        at = last.sync.step
+        return stop.reason(at, self._agreed_stop(at, last.figures, last.sync),
+                           exit_due=self.rounds.crossed(self.cfg.checkpoint.exit_interval or 0))
+
+    def _save_if_due(self, done: int, stopped: Optional[str], last: StepOutcome) -> None:
+        """Save after step `done` where due. With per-group step counts only at a sync, named by
+        its federation step: at the end, on a stop, and at the first sync at or past each
+        multiple of --save-interval."""
+        if not self.rounds:
+            self.checkpoints.after_step(done, stopped, last.lr)
+        elif last.sync is not None:
+            due = not self.rounds.running or self.rounds.crossed(self.cfg.checkpoint.save_interval or 0)
+            self.checkpoints.after_step(last.sync.step, stopped, last.lr, due=due)
+
+    def _evaluation_due(self, done: int) -> bool:
+        """Whether an evaluation follows step `done` (not the last: the final one follows it):
+        every --eval-interval steps; with per-group step counts at the first sync at or past each
+        multiple of it in federation steps (the groups meet only there)."""
+        t = self.cfg.training
+        if self.rounds:
+            return self.rounds.crossed(t.eval_interval) and self.rounds.running
+        return done % t.eval_interval == 0 and done != t.train_iters
 
     def _final_loss(self, done: int, last: Optional[StepOutcome]) -> Optional[float]:
         """The last step's train loss as its records give it, computed once: the vote's mean over
@@ -236,7 +281,7 @@ class Trainer:
         if last is None:
             return None
         vote = self.engine.vote
-        if vote is not None and vote.step == done:
+        if vote is not None and vote.step == (last.sync.step if last.sync is not None else done):
             return vote_figures(vote)[0]
         figures = last.figures or self._group_figures(done, last.loss, last.grad_norm)
         if not self.session.losses_cross_groups():
