@@ -62,6 +62,13 @@ def test_the_last_round_is_cut_in_proportion_to_the_tokens_left():
     clock = RoundClock([100, 100], 8, 7, pinned=(8, 4))  # 200 left: ceil(8/6), ceil(4/6)
     clock.advance()
     assert clock.round.steps == (2, 1)
+    # the cut passes the budget by less than B, so the last sync is named by --train-iters
+    for sizes, pinned in (((100, 100, 100), (8, 4, 4)), ((300, 100), (3, 8)), ((100, 200, 50), (7, 5, 1))):
+        for train_iters in range(1, 40):
+            clock = RoundClock(sizes, 8, train_iters, pinned=pinned)
+            while not clock.last_round:
+                clock.advance()
+            assert clock.sync_step() == train_iters, (sizes, pinned, train_iters)
 
 
 def test_balancing_plans_from_the_step_times():

@@ -102,7 +102,8 @@ class RoundClock:
 
     def sync_step(self) -> int:
         """The federation step the round's sync ends at, the same on every rank: floor((P_k + dP_k) / B)
-        (each round adds at least one: every group takes a step)."""
+        (each round adds at least one: every group takes a step). At the last it is --train-iters:
+        the cut passes the budget by less than one step of each group, B in all."""
         return (self.round.start_tokens + self.round.tokens) // self.step_tokens
 
     def advance(self, step_seconds: Optional[Sequence[Optional[float]]] = None) -> Round:

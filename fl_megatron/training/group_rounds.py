@@ -1,7 +1,7 @@
 """One group's side of per-group step counts (federation/rounds.py): its step within the round,
 its step times, and what it brings to the round's vote."""
 
-import statistics
+import time
 from typing import Optional
 
 from ..config import ResolvedRun
@@ -27,7 +27,7 @@ class GroupRounds:
     def __init__(self, clock: RoundClock, group: int) -> None:
         self.clock, self.group = clock, group
         self.in_round = 0          # steps this group trained in the current round
-        self.times: list[float] = []  # their wall times (the whole step: data, a slowed group's sleep)
+        self.round_began = 0.0     # when its first step began (perf_counter)
         self.ended: Optional[Round] = None  # the round whose sync the last step ended with
 
     @property
@@ -56,10 +56,14 @@ class GroupRounds:
         """The learning-rate schedule's position of the step about to run."""
         return self.clock.position(self.group, self.in_round)
 
-    def stepped(self, seconds: float) -> None:
+    def begin_step(self) -> None:
+        """A step begins (before anything of it: its data, a slowed group's sleep)."""
+        if self.in_round == 0:
+            self.round_began = time.perf_counter()
+
+    def stepped(self) -> None:
         self.in_round += 1
         self.ended = None
-        self.times.append(seconds)
 
     @property
     def due(self) -> bool:
@@ -73,14 +77,16 @@ class GroupRounds:
 
     def vote_fields(self) -> dict:
         """What the group brings to the round's vote: its tokens (the weight of its shards in the
-        average) and its median step time (the next round's plan)."""
-        return {"tokens": self.clock.round.group_tokens(self.group),
-                "step_seconds": statistics.median(self.times) if self.times else None}
+        average) and its step time (the next round's plan): the round's wall time over its steps.
+        Call after the group's figures were reduced, which waits for the device: on a GPU the host
+        runs ahead of the steps, so only a time read after such a wait counts them whole."""
+        seconds = (time.perf_counter() - self.round_began) / self.in_round if self.in_round else None
+        return {"tokens": self.clock.round.group_tokens(self.group), "step_seconds": seconds}
 
     def advance(self, step_seconds: Optional[list]) -> Round:
         """The round's sync is done: plan the next one (every rank alike, from the vote's step
         times). Returns the round that ended."""
-        self.in_round, self.times = 0, []
+        self.in_round = 0
         self.ended = self.clock.advance(step_seconds)
         return self.ended
 

@@ -78,7 +78,8 @@ class Trainer:
         the groups only meet in the sync's vote."""
         t, rounds = self.cfg.training, self.rounds
         done, last = step + 1, step + 1 == t.train_iters
-        arrived = time.perf_counter()
+        if rounds:
+            rounds.begin_step()
         pause = delay_seconds(self.group, done)  # a straggler, for tests and benchmarks (FL_MEGATRON_FAULT)
         if pause:
             time.sleep(pause)
@@ -89,7 +90,7 @@ class Trainer:
         self.tuning.after_step(trial, time.perf_counter() - began)
         at, due = done, None  # the sync's step, and whether one follows (None: the engine's schedule)
         if rounds:
-            rounds.stepped(time.perf_counter() - arrived)
+            rounds.stepped()
             due, last = rounds.due, rounds.last
             at = rounds.clock.sync_step() if due else done
         if nan_requested(self.group, done):  # a sick group, for tests (FL_MEGATRON_FAULT)
@@ -223,13 +224,13 @@ class Trainer:
             self.reporter.step(done, last)
             self._save_if_due(done, stopped, last)
             if t.eval_iters and t.eval_interval and self._evaluation_due(done):
-                evals.append(self._evaluation(done))  # a stop at an evaluation step evaluates first
+                evals.append(self._evaluation(self._federation_step(done, last)))  # a stop there evaluates first
             if stopped:
                 say(f"  stopping after step {done} ({stopped})", self.is_writer)
                 break
-        self.checkpoints.finish(last.sync.step if self.rounds and last is not None and last.sync else done)
+        self.checkpoints.finish(self._federation_step(done, last))
         wall = self.reporter.elapsed()
-        final_eval = self._evaluation(done) if t.eval_iters and not stopped else None
+        final_eval = self._evaluation(self._federation_step(done, last)) if t.eval_iters and not stopped else None
         self.phases.enter("summary", done)
         summary = self.reporter.summary(self._final_loss(done, last), final_eval, evals, wall, done, stopped,
                                         self.rounds.clock if self.rounds else None)
@@ -239,6 +240,13 @@ class Trainer:
         if too_few is not None:
             raise too_few
         return summary
+
+    def _federation_step(self, done: int, last: Optional[StepOutcome]) -> int:
+        """The step the federation's records and checkpoints name after step `done`: `done`, or
+        with per-group step counts the federation step of the sync that step ended with."""
+        if self.rounds and last is not None and last.sync is not None:
+            return last.sync.step
+        return done
 
     def _stop_reason(self, stop: StopPolicy, done: int, last: StepOutcome) -> Optional[str]:
         """Why to stop after step `done`, or None (not after the last). With per-group step counts
