@@ -73,9 +73,12 @@ def test_the_last_round_is_cut_in_proportion_to_the_tokens_left():
 
 def test_balancing_plans_from_the_step_times():
     """The first round takes one step each (it measures them); after it the fastest group takes H and
-    the others what fits in its time; a group at a boundary keeps its count within a quarter step."""
+    the others what fits in its time, or one more step where that raises the round's rate."""
     assert balanced_steps(8, [0.15, 0.40]) == (8, 3)
-    assert balanced_steps(8, [0.15, 0.41]) == (8, 3)  # 2.93: within a quarter of a step of 3
+    # 8 x 0.15 / 0.41 = 2.93: a third step ends at 1.23 s, before the fast group's ninth could (1.35 s),
+    # and 11 steps in 1.23 s beat 10 in 1.2 s; with a fast group of 10x the tokens it does not pay
+    assert balanced_steps(8, [0.15, 0.41]) == (8, 3)
+    assert balanced_steps(8, [0.15, 0.41], [10, 1]) == (8, 2)
     assert balanced_steps(8, [0.15, 0.48]) == (8, 2)
     assert balanced_steps(8, [0.40, 0.15]) == (3, 8)
     assert balanced_steps(8, [0.1, 10.0]) == (8, 1)  # at least one step

@@ -169,3 +169,54 @@ def test_an_equal_plan_trains_exactly_as_one_h_for_all(tmp_path):
     feds = [[(r["step"], r["loss"], r["group_losses"]) for r in federation_records(tmp_path / name)]
             for name in ("plain", "plan")]
     assert feds[0] == feds[1] and [s for s, _, _ in feds[0]] == [4, 8, 10]
+
+
+def _weighted_job(rank, world, tmp, cache):
+    """Groups of 2 and 1 ranks (FSDP2, atoms): each alone for 4 and 2 steps, then federated with
+    --fl-group-intervals 4,2 (one round, the last), then the same with group 1 sick at its sync."""
+    import os
+
+    from fl_test_utils import make_trainer, tiny_config
+
+    def config(name, steps, sync_interval, intervals=""):
+        cfg = tiny_config(f"{tmp}/{name}", cache, group_size=None, sync_interval=sync_interval, steps=steps)
+        cfg.federation.group_sizes, cfg.federation.group_intervals = "2,1", intervals
+        cfg.parallel.ranks_per_node = 3
+        return cfg
+
+    def trained(cfg):
+        trainer = make_trainer(cfg)
+        trainer.train()
+        state = {k: v.tolist() for k, v in trainer.backend.full_state_dict().items()}
+        steps = trainer.rounds.own_steps if trainer.rounds else None
+        trainer.close()
+        return trainer.group, state, steps
+
+    out = {"alone_4": trained(config("alone4", 4, 0)), "alone_2": trained(config("alone2", 2, 0))}
+    # B = 2 + 1 rank-steps; the round trains 4 x 2 + 2 x 1 = 10 of them: --train-iters 3 (9) is one round
+    out["fed"] = trained(config("fed", 3, 4, "4,2"))
+    os.environ["FL_MEGATRON_FAULT"] = "nan-shard:1@2"
+    out["sick"] = trained(config("sick", 3, 4, "4,2"))
+    del os.environ["FL_MEGATRON_FAULT"]
+    return out
+
+
+def test_the_sync_is_the_token_weighted_mean_of_the_groups_alone_bit_for_bit(tmp_path):
+    """Groups of 2 and 1 ranks trained 4 and 2 steps: 8 and 2 rank-steps of tokens, weights 1.6 and
+    0.4 (their tokens over the mean). After the sync every rank holds (1.6 a + 0.4 b) / 2 of the
+    groups' states trained alone, bit for bit in fp32 (the weight applied, the sum, the halving, as
+    the reference does them); a group sick at the sync is left out and every rank takes the other's."""
+    import torch
+
+    from fl_megatron.local_ranks import run_ranks
+
+    results = run_ranks(3, _weighted_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
+    a = {k: torch.tensor(v) for k, v in next(r["alone_4"][1] for r in results if r["alone_4"][0] == 0).items()}
+    b = {k: torch.tensor(v) for k, v in next(r["alone_2"][1] for r in results if r["alone_2"][0] == 1).items()}
+    for r in results:
+        group, state, steps = r["fed"]
+        assert steps == (4, 2)[group]
+        for k, v in state.items():
+            assert torch.equal(torch.tensor(v), (a[k] * 1.6 + b[k] * 0.4) / 2), k
+        assert not all(torch.equal(torch.tensor(v), (a[k] + b[k]) / 2) for k, v in state.items())  # not the plain mean
+        assert r["sick"][1] == {k: v.tolist() for k, v in a.items()}

@@ -15,18 +15,26 @@ in it runs at the learning rate of today's schedule at (P_k + j / H_i x dP_k) / 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-# a slow group may overshoot the fastest group's round by this fraction of its own step: its count
-# then stays put when a measured step time sits right at a boundary
-OVERSHOOT = 0.25
-
-
-def balanced_steps(interval: int, step_seconds: Sequence[float]) -> tuple[int, ...]:
+def balanced_steps(interval: int, step_seconds: Sequence[float],
+                   tokens_per_step: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """Each group's steps for a round in which the fastest group trains `interval` steps: as many
-    as fit in that time, floor(interval x t_fastest / t_i + OVERSHOOT), at least one."""
+    as fit in that time (at least one), or one more where that raises the round's rate (its
+    tokens over its slowest group's time) and still ends before the fastest group could have
+    taken another step. Deterministic in its inputs, so every rank plans alike."""
     if interval < 1 or not step_seconds or min(step_seconds) <= 0:
         raise ValueError(f"interval={interval}, step_seconds={list(step_seconds)}: need >= 1 and positive times")
-    budget = interval * min(step_seconds)
-    return tuple(max(1, min(interval, int(budget / s + OVERSHOOT))) for s in step_seconds)
+    tokens = list(tokens_per_step) if tokens_per_step else [1] * len(step_seconds)
+    fastest = min(step_seconds)
+    base, limit = interval * fastest, (interval + 1) * fastest
+
+    def plan(round_seconds: float) -> tuple[int, ...]:
+        return tuple(max(1, min(interval, int(round_seconds / t * (1 + 1e-9)))) for t in step_seconds)
+
+    def rate(steps: tuple[int, ...]) -> float:
+        return sum(n * b for n, b in zip(steps, tokens)) / max(n * t for n, t in zip(steps, step_seconds))
+
+    later = sorted((int(base / t) + 1) * t for t in step_seconds if base < (int(base / t) + 1) * t < limit)
+    return max((plan(seconds) for seconds in [base, *later]), key=rate)  # the first of equal rates: the earliest
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ class RoundClock:
         if self.balance:
             times = list(step_seconds or [])
             if len(times) == self.num_groups and all(t is not None and t > 0 for t in times):
-                steps = balanced_steps(self.interval, times)
+                steps = balanced_steps(self.interval, times, self.tokens_per_step)
             elif ended.index > 0:
                 steps = ended.steps
         self.round = self._trimmed(Round(ended.index + 1, start, steps, self.tokens_per_step))
