@@ -324,6 +324,9 @@ def test_defaults_resolve_from_the_instances():
     (dict(fl_num_groups=2, fl_elastic=True), "--fl-elastic: elastic federation groups"),
     (dict(fl_num_groups=2, fl_sick_loss_ratio=3.0), "--fl-sick-loss-ratio: Megatron-LM's train_step averages"),
     (dict(fl_num_groups=2, fl_group_size=8), "--fl-group-size: Megatron-LM's federation groups are made of"),
+    (dict(fl_num_groups=2, fl_group_sizes="8,4"), "--fl-group-sizes: groups of unequal size or speed are built"),
+    (dict(fl_num_groups=2, fl_balance_steps=True), "--fl-balance-steps: groups of unequal size or speed"),
+    (dict(fl_num_groups=2, fl_group_intervals="8,4"), "--fl-group-intervals: groups of unequal size or speed"),
     (dict(fl_num_groups=2, fl_outer_optimizer="nesterov", save="/ckpt", non_persistent_save_interval=4),
      "--non-persistent-save-interval: the outer optimizer's state"),
 ])

@@ -28,6 +28,9 @@ _TUNE = ("the link probe and --fl-tune run in fl_megatron.pretrain's trainer, wh
 _ELASTIC = ("elastic federation groups (each group its own job, meeting over torchft's quorum) are built for "
             "fl_megatron.pretrain; in Megatron-LM every group is in one job, and a group that heals would need "
             "megatron's distributed optimizer state sent between jobs, which is not built")
+_UNEQUAL = ("groups of unequal size or speed are built for fl_megatron.pretrain's trainer (its atom communicators "
+            "and per-group step counts in its loop); Megatron-LM's groups are its distributed-optimizer instances, "
+            "of equal size and stepping together (docs/heterogeneous.md)")
 # FederationConfig field -> why a patched Megatron-LM refuses it
 REFUSED = {
     "group_size": "Megatron-LM's federation groups are made of its distributed-optimizer instances: set "
@@ -41,6 +44,8 @@ REFUSED = {
                                    "quorum_timeout_minutes", "peer_timeout_seconds",
                                    "start_wait_seconds")},
     **{f.name: _TUNE for f in dataclasses.fields(FederationConfig) if f.name == "link_probe" or f.name.startswith("tune")},
+    **{name: _UNEQUAL for name in ("group_sizes", "hsdp_shard_sizes", "group_ranks_per_node", "group_intervals",
+                                   "balance_steps")},
 }
 
 
