@@ -54,9 +54,10 @@ class Reporter:
         return time.perf_counter() - self.started
 
     # --- steps ------------------------------------------------------------------------------
-    def step(self, done: int, outcome) -> None:
+    def step(self, done: int, outcome, at: Optional[int] = None) -> None:
         """Optimizer step `done` (a StepOutcome) finished: count it, and record and print it where
-        it has figures or a sync."""
+        it has figures or a sync. `at`: the step the federation's record names, where it is not
+        `done` (per-group step counts: the round's federation step)."""
         for interval in self.intervals:
             interval.steps += 1
         if outcome.figures is None and outcome.sync is None:
@@ -65,14 +66,13 @@ class Reporter:
         eta = max(0.0, self.elapsed() / (done - self.start_step) * (train_iters - done))  # (a group's own steps)
         if outcome.sync is not None and outcome.sync.landed is not None:
             self.landing(done, outcome.sync.landed, outcome.lr, "landed_before_sync")
-        self._log_step(done, outcome, eta)
+        self._log_step(done, outcome, eta, done if at is None else at)
 
-    def _log_step(self, done: int, outcome, eta: float) -> None:
+    def _log_step(self, done: int, outcome, eta: float, at: int) -> None:
         """The group's record (each group's first rank) and, at a vote or with a single group, the
         federation's (rank 0). See docs/metrics.md."""
         now, t, sync, figures = time.perf_counter(), self.run.cfg.training, outcome.sync, outcome.figures
         elapsed, per_step = now - self.started, self.run.tokens_per_step
-        at = sync.step if sync is not None else done  # per-group step counts: the round's federation step
         vote = self.engine.vote if self.engine.vote is not None and self.engine.vote.step == at else None
         if figures is not None and (self.group_writer or not self.federated):
             steps, seconds = self.intervals[0].take(now)

@@ -221,7 +221,7 @@ class Trainer:
                 stopped = f"too few groups at the sync of step {done}: {too_few}"
             else:
                 stopped = self._stop_reason(stop, done, last)
-            self.reporter.step(done, last)
+            self.reporter.step(done, last, self._federation_step(done, last))
             self._save_if_due(done, stopped, last)
             if t.eval_iters and t.eval_interval and self._evaluation_due(done):
                 evals.append(self._evaluation(self._federation_step(done, last)))  # a stop there evaluates first
@@ -289,7 +289,7 @@ class Trainer:
         if last is None:
             return None
         vote = self.engine.vote
-        if vote is not None and vote.step == (last.sync.step if last.sync is not None else done):
+        if vote is not None and vote.step == self._federation_step(done, last):
             return vote_figures(vote)[0]
         figures = last.figures or self._group_figures(done, last.loss, last.grad_norm)
         if not self.session.losses_cross_groups():
