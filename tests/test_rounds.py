@@ -111,3 +111,13 @@ def test_bad_plans_are_refused():
         RoundClock([100, 100], 8, 10, pinned=(8,))
     with pytest.raises(ValueError, match="exclude each other"):
         RoundClock([100, 100], 8, 10, pinned=(8, 4), balance=True)
+
+
+def test_a_checkpoints_rounds_resume_only_into_groups_of_the_same_tokens_per_step():
+    clock = RoundClock([100, 100], 8, 30, pinned=(8, 4))
+    clock.advance()
+    state = clock.state()
+    again = RoundClock([100, 100], 8, 30, pinned=(8, 4))
+    assert again.restore(state) is None and again.state() == state and again.group_steps == [8, 4]
+    with pytest.raises(ValueError, match=r"trained \[100, 100\] tokens per step and this run's train \[200, 100\]"):
+        RoundClock([200, 100], 8, 30, pinned=(8, 4)).restore(state)

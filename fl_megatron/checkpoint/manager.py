@@ -20,6 +20,7 @@ from ..file_modes import save_safetensors
 from ..federation.contract import TrainingBackend
 from ..federation.engine import FederationEngine
 from ..federation.failed_collective import is_failed_collective
+from ..federation.rounds import resume_problem
 from .resume import resume_source
 from .metadata import build_metadata, find_checkpoint, manifest, saved_mode, source_groups
 from .paths import (METADATA, clear_staging, group_dir, iteration_dir, outer_file, prune, publish, read_tracker,
@@ -234,6 +235,10 @@ class Checkpointer:
             raise ValueError(f"the checkpoint {path} was trained with per-group step counts (each group at its own "
                              f"step: {self.resumed_rounds['group_steps']}); resume it with --fl-group-intervals or "
                              "--fl-balance-steps, or export it (tools/convert_checkpoint_to_hf.py)")
+        if self.resumed_rounds is not None and self.rounds_state is not None:  # before any state is read
+            problem = resume_problem(self.resumed_rounds, self.rounds_state()["tokens_per_step"])
+            if problem:
+                raise ValueError(f"{path}: {problem}")
         sources, notes = source_groups(meta, self.run)
         source = group_dir(path, sources[self.group])
         try:

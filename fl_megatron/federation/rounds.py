@@ -15,6 +15,16 @@ in it runs at the learning rate of today's schedule at (P_k + j / H_i x dP_k) / 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+
+def resume_problem(saved: dict, tokens_per_step: Sequence[int]) -> Optional[str]:
+    """Why a checkpoint's rounds (`saved`, RoundClock.state) cannot go on in a run whose groups
+    train `tokens_per_step`, or None: its positions are counted in those tokens."""
+    if list(saved["tokens_per_step"]) != list(tokens_per_step):
+        return (f"the checkpoint's groups trained {saved['tokens_per_step']} tokens per step and this run's train "
+                f"{list(tokens_per_step)}: resume with the same groups and batch sizes")
+    return None
+
+
 def balanced_steps(interval: int, step_seconds: Sequence[float],
                    tokens_per_step: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """Each group's steps for a round in which the fastest group trains `interval` steps: as many
@@ -141,9 +151,9 @@ class RoundClock:
     def restore(self, state: dict) -> None:
         """Go on from `state` (a checkpoint's). This run's pinned counts win over the recorded
         plan; the budget is this run's. ValueError where the groups' tokens per step differ."""
-        if list(state["tokens_per_step"]) != list(self.tokens_per_step):
-            raise ValueError(f"the checkpoint's groups trained {state['tokens_per_step']} tokens per step and this "
-                             f"run's train {list(self.tokens_per_step)}: resume with the same groups and batch sizes")
+        problem = resume_problem(state, self.tokens_per_step)
+        if problem:
+            raise ValueError(problem)
         self.group_steps = list(state["group_steps"])
         steps = self.pinned or tuple(state["steps"])
         self.round = self._trimmed(Round(state["round"], state["start_tokens"], steps, self.tokens_per_step))
