@@ -13,16 +13,8 @@ from ..federation.membership import Membership, TooFewGroups
 from .lighthouse_status import missing_groups_text
 from .peer_deadline import PeerDeadline, torchft_deadline
 from .quorum_group import registered_quorum_group, unregister_quorum_group
+from .torchft_groups import quorum_process_group, torchft_manager_class
 from .waiting import WaitWatch
-
-
-def _torchft():
-    try:
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-    except ImportError as e:
-        raise ImportError("--fl-elastic needs torchft: pip install 'fl-megatron[elastic]' (torchft==0.2.0)") from e
-    return Manager, ProcessGroupGloo, ProcessGroupNCCL
 
 
 class ElasticPeerTier:
@@ -40,7 +32,7 @@ class ElasticPeerTier:
                  peer_timeout: timedelta = timedelta(seconds=120)) -> None:
         if group_id < 0 or min_groups < 1:
             raise ValueError(f"group id {group_id} and minimum groups {min_groups}: need >= 0 and >= 1")
-        Manager, ProcessGroupGloo, ProcessGroupNCCL = _torchft()
+        Manager = torchft_manager_class()
         self.group_id, self.group_size = group_id, group_size
         self.lighthouse, self.min_groups, self.num_groups = lighthouse, min_groups, num_groups
         self.quorum_timeout = quorum_timeout
@@ -48,8 +40,7 @@ class ElasticPeerTier:
         # the quorum's communicator: each cross-group collective bounded by the peer timeout (gloo
         # times out by itself; on NCCL torchft's timers abort it, see peer_deadline.py)
         self.peer_timeout = peer_timeout
-        self._pg = (ProcessGroupNCCL(timeout=peer_timeout) if self.backend == "nccl"
-                    else ProcessGroupGloo(timeout=peer_timeout))
+        self._pg = quorum_process_group(self.backend, peer_timeout)
         # use_async_quorum=False: the quorum (and any healing) completes inside `meet`, before
         # the sync's collectives; init_sync=False: every group starts from the same seeded values
         self._watch = watch
@@ -128,6 +119,12 @@ class ElasticPeerTier:
             raise RuntimeError(f"elastic: quorum {self.manager._quorum_id} failed on this rank: "
                                f"{self.manager.errored().original_exception}")
         return Membership(self.manager._quorum_id, groups, self._pg._rank, healed, time.perf_counter() - start)
+
+    @property
+    def quorum_store(self) -> str:
+        """The current quorum's store ("host:port", valid after `meet`): where the atom
+        communicators of groups of unequal size meet (group_quorum.py)."""
+        return self._pg.store_address
 
     def deadline(self) -> Optional[PeerDeadline]:
         """The time bound of one sync's cross-group collectives (NCCL; None on gloo)."""

@@ -17,15 +17,17 @@ from torch.distributed import distributed_c10d as c10d
 _STAND_IN_RANK_BASE = 1 << 30
 
 
-def registered_quorum_group(pg: dist.ProcessGroup, backend: str, quorum_id: int, quorum_rank: int):
+def registered_quorum_group(pg: dist.ProcessGroup, backend: str, quorum_id: int, quorum_rank: int,
+                            name: str = ""):
     """Enter torchft's raw quorum group `pg` (`backend`: 'gloo' or 'nccl') in torch's group
-    registry, this process being quorum rank `quorum_rank`; returns `pg`."""
+    registry, this process being quorum rank `quorum_rank`; returns `pg`. `name`: what tells it
+    apart from the quorum's other groups (an atom communicator's tuple)."""
     size = pg.size()
     if not 0 <= quorum_rank < size:
         raise ValueError(f"quorum rank {quorum_rank} is outside a quorum group of {size}")
     own = dist.get_rank()
     ranks = {(own if i == quorum_rank else _STAND_IN_RANK_BASE + i): i for i in range(size)}
-    name = f"fl_megatron_quorum_{quorum_id}_{quorum_rank}"
+    name = f"fl_megatron_quorum_{quorum_id}_{name}{'_' * bool(name)}{quorum_rank}"
     world = c10d._world
     world.pg_map[pg] = (backend, None)
     world.pg_names[pg] = name

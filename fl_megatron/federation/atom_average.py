@@ -90,7 +90,21 @@ def window_views(plan: AtomPlan, rank: int, shards: List[torch.Tensor],
     return views
 
 
-def _buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
+def pieces_by_tuple(plan: AtomPlan, rank: int, windows: Optional[List[Tuple[int, int]]] = None
+                    ) -> Dict[Tuple[int, ...], List[Piece]]:
+    """`rank`'s atoms as pieces of its shards (of `windows`' views, see `window_views`), by owner
+    tuple: the same lengths in the same order on every owner of a tuple."""
+    windows = windows or tensor_windows(plan, None)
+    spans = [_clip(plan.shard_range(rank, t), w) for t, w in enumerate(windows)]
+    by_tuple: Dict[Tuple[int, ...], List[Piece]] = {}
+    for atom in plan.rank_atoms(rank):
+        lo, hi = _clip((atom.start, atom.stop), windows[atom.tensor])
+        if lo < hi:
+            by_tuple.setdefault(atom.owners, []).append(Piece(atom.tensor, lo - spans[atom.tensor][0], hi - lo))
+    return by_tuple
+
+
+def buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
     """Consecutive pieces packed up to `bucket_elements` (a longer piece is cut into several)."""
     out, current, size = [], [], 0
     for piece in pieces:
@@ -105,6 +119,22 @@ def _buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
     if current:
         out.append(current)
     return out
+
+
+def pack(bucket: List[Piece], flats: List[torch.Tensor]) -> torch.Tensor:
+    """A bucket's pieces of the flat shards `flats` in one buffer (a view where it is one piece)."""
+    if len(bucket) == 1:  # one stretch of one shard: averaged in place
+        p = bucket[0]
+        return flats[p.tensor].narrow(0, p.offset, p.length)
+    return torch.cat([flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket])
+
+
+def unpack(buffer: torch.Tensor, bucket: List[Piece], flats: List[torch.Tensor]) -> None:
+    """`pack` undone: the buffer's pieces back into `flats`."""
+    if len(bucket) == 1:  # `pack` gave a view: averaged (or received) in place already
+        return
+    targets = [flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket]
+    torch._foreach_copy_(targets, list(buffer.split([p.length for p in bucket])))
 
 
 @dataclass
@@ -159,21 +189,15 @@ class AtomAverager:
         self.ledger, self.peer_tier, self.replica_tier = ledger, peer_tier, replica_tier
         self.spans = [_clip(plan.shard_range(rank, t), w) for t, w in enumerate(self.windows)]
         self.lengths = [hi - lo for lo, hi in self.spans]
-        by_tuple: Dict[Tuple[int, ...], List[Piece]] = {}
-        for atom in plan.rank_atoms(rank):
-            lo, hi = _clip((atom.start, atom.stop), self.windows[atom.tensor])
-            if lo < hi:
-                by_tuple.setdefault(atom.owners, []).append(Piece(atom.tensor, lo - self.spans[atom.tensor][0], hi - lo))
-        missing = [owners for owners in by_tuple if owners not in communicators]
-        if missing:
-            raise ValueError(f"no communicator for owner tuple(s) {missing[:3]}: build them with build_atom_groups")
-        self.rounds = [(communicators[owners], _buckets(pieces, self.bucket_elements))
-                       for owners, pieces in sorted(by_tuple.items())]
+        by_tuple = pieces_by_tuple(plan, rank, self.windows)
+        # read at every average: in elastic mode each quorum makes them anew (elastic/quorum_atoms.py)
+        self.communicators = communicators
+        self.rounds = [(owners, buckets(pieces, self.bucket_elements)) for owners, pieces in sorted(by_tuple.items())]
         # the variance metric's sampling stride: about max_samples of this rank's averaged elements
         averaged = sum(p.length for _, buckets in self.rounds for bucket in buckets for p in bucket)
         self.stride = max(1, math.ceil(averaged / max_samples))
         # per replica of this rank's shard: the buckets of the slices it averaged, cut once
-        self.replica_slices = [_buckets(self._slices_of(r), self.bucket_elements)
+        self.replica_slices = [buckets(self._slices_of(r), self.bucket_elements)
                                for r in range(self.replicas)] if self.replicas > 1 else []
 
     def _slices_of(self, replica: int) -> List[Piece]:
@@ -206,19 +230,27 @@ class AtomAverager:
                 raise ValueError(f"shard {t}: {shard.numel()} {shard.dtype} elements"
                                  f"{'' if shard.is_contiguous() else ', not contiguous'}; the plan expects "
                                  f"{length} contiguous fp32 elements")
+        missing = [owners for owners, _ in self.rounds if owners not in self.communicators]
+        if missing:
+            raise ValueError(f"no communicator for owner tuple(s) {missing[:3]}: build them with build_atom_groups")
+        groups = peers.size if peers is not None else len(self.plan.groups)  # the groups that met
         flats = [s.view(-1) for s in shards]
         stats = SyncStats()
         sums = torch.zeros(2, dtype=torch.float64, device=shards[0].device if shards else "cpu")
         in_flight: List[_Flight] = []
         index = 0
-        for group, buckets in self.rounds:
-            for bucket in buckets:
+        for owners, owned in self.rounds:
+            group = self.communicators[owners]
+            if group is None:  # the only owner in the live groups: its elements are their own mean
+                index += len(owned)  # (error feedback's residuals keep their buckets' numbers)
+                continue
+            for bucket in owned:
                 if len(in_flight) >= MAX_IN_FLIGHT:
                     self._land(in_flight.pop(0), flats, stats, sums, call)
-                buffer = self._pack(bucket, flats)
+                buffer = pack(bucket, flats)
                 own = sampled_blocks(buffer, self.stride).clone()  # the variance metric's sample, before
                 index += 1
-                divisor = weigh_(buffer, include, weight, contributors, len(self.plan.groups))
+                divisor = weigh_(buffer, include, weight, contributors, groups)
                 divides = contributors if divisor is None else divisor
                 if self.sync_dtype != "fp32":  # encoded, summed in fp32, the mean encoded once (blocking)
                     residual = self.residuals.setdefault(index - 1, torch.zeros_like(buffer)) \
@@ -239,29 +271,15 @@ class AtomAverager:
         while in_flight:
             self._land(in_flight.pop(0), flats, stats, sums, call)
         stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
-        for replica, buckets in enumerate(self.replica_slices):
-            for bucket in buckets:
-                buffer = self._pack(bucket, flats)
+        for replica, slices in enumerate(self.replica_slices):
+            for bucket in slices:
+                buffer = pack(bucket, flats)
                 dist.broadcast(buffer, group_src=replica, group=self.replica_group)
                 if replica != self.replica_index:
-                    self._unpack(buffer, bucket, flats)
+                    unpack(buffer, bucket, flats)
                 else:
                     self._count(stats, buffer.numel() * 4, "intra-group", self.replica_tier)
         return stats
-
-    @staticmethod
-    def _pack(bucket: List[Piece], flats: List[torch.Tensor]) -> torch.Tensor:
-        if len(bucket) == 1:  # one stretch of one shard: averaged in place
-            p = bucket[0]
-            return flats[p.tensor].narrow(0, p.offset, p.length)
-        return torch.cat([flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket])
-
-    @staticmethod
-    def _unpack(buffer: torch.Tensor, bucket: List[Piece], flats: List[torch.Tensor]) -> None:
-        if len(bucket) == 1:  # `_pack` gave a view: averaged (or received) in place already
-            return
-        targets = [flats[p.tensor].narrow(0, p.offset, p.length) for p in bucket]
-        torch._foreach_copy_(targets, list(buffer.split([p.length for p in bucket])))
 
     def _land(self, item: "_Flight", flats: List[torch.Tensor], stats: SyncStats, sums: torch.Tensor, call) -> None:
         if item.work is not None:
@@ -273,7 +291,7 @@ class AtomAverager:
         sums[0] += (item.own.double().nan_to_num(0.0, 0.0, 0.0) - averaged).pow(2).sum()
         sums[1] += averaged.pow(2).sum()
         stats.samples += item.own.numel()
-        self._unpack(item.buffer, item.bucket, flats)
+        unpack(item.buffer, item.bucket, flats)
 
     def _count(self, stats: SyncStats, nbytes: int, scope: str, tier: str) -> None:
         stats.collectives += 1

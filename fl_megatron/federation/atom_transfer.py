@@ -1,0 +1,64 @@
+"""A group's state copied into groups of another size, atom by atom (elastic healing).
+
+Every tensor a heal carries that is cut as the shards are (the shards themselves, the inner
+optimizer's moments, the outer anchors and momenta) goes, for each atom, from its owner in the
+source group to its owner in each receiving group, over the atom's communicator: point to point,
+packed per bucket, in the plan's sorted order of tuples on every rank (as the averages run: no
+two ranks wait on each other's later tuple). Each rank sends or receives only its own elements;
+nothing is gathered. Ranks of groups that neither send nor receive take no part. Groups of the
+same size get exactly their counterpart's shards, as torchft's rank-to-rank heal gives them.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..atom_plan import AtomPlan
+from .atom_average import buckets, pack, pieces_by_tuple, unpack
+
+
+@torch.no_grad()
+def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]],
+                        streams: Sequence[List[torch.Tensor]], source: int, receivers: Sequence[int],
+                        live: Sequence[int], bucket_bytes: int = 32 << 20) -> int:
+    """Make each receiving group's `streams` equal the `source` group's, in place (collective over
+    the live groups' ranks, every one calling it with the same arguments but its own `streams`).
+    A stream is one state of every tensor of the plan (e.g. the first Adam moments): this rank's
+    flat shard of tensor t at index t, of its shard's length. `live`: the quorum's groups (in the
+    order of `communicators`' members). Returns the bytes this rank sent."""
+    live = sorted(live)
+    group = plan.group_of(rank)
+    if source not in live or any(f not in live for f in receivers) or source in receivers:
+        raise ValueError(f"a copy from group {source} to {sorted(receivers)} among the live groups {live}")
+    if group != source and group not in receivers:
+        return 0
+    if plan.groups[group].replicas > 1:
+        raise ValueError("a heal across group sizes copies each atom to its owner only; an HSDP group's other "
+                         "replicas would miss it")
+    lengths = [hi - lo for lo, hi in (plan.shard_range(rank, t) for t in range(len(plan.numels)))]
+    for i, stream in enumerate(streams):
+        if [s.numel() for s in stream] != lengths:
+            raise ValueError(f"stream {i}: shards of {[s.numel() for s in stream]} elements; this rank's plan "
+                             f"holds {lengths}")
+    sent = 0
+    for owners, pieces in sorted(pieces_by_tuple(plan, rank).items()):
+        members = [owners[f] for f in live]
+        pg = communicators.get(owners)
+        if pg is None:  # source and receivers are live: every tuple of theirs has one
+            raise ValueError(f"no communicator for owner tuple {owners}: build them for the quorum first")
+        targets = [members.index(owners[f]) for f in receivers]
+        for stream in streams:
+            flats = [s.view(-1) for s in stream]
+            for bucket in buckets(pieces, max(1, bucket_bytes // stream[0].element_size() if stream else 1)):
+                buffer = pack(bucket, flats)
+                if group == source:
+                    for target in targets:
+                        dist.send(buffer.contiguous(), group_dst=target, group=pg)
+                        sent += buffer.numel() * buffer.element_size()
+                else:
+                    received = torch.empty_like(buffer)
+                    dist.recv(received, group_src=members.index(owners[source]), group=pg)
+                    buffer.copy_(received)
+                    unpack(buffer, bucket, flats)
+    return sent
