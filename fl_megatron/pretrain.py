@@ -100,7 +100,8 @@ def _elastic_env(cfg, env):
         fed.lighthouse = os.environ["TORCHFT_LIGHTHOUSE"]
     missing = [what for what, value in (("--fl-group-id (or FL_GROUP_ID)", fed.group_id),
                                         ("--fl-lighthouse (or TORCHFT_LIGHTHOUSE)", fed.lighthouse),
-                                        ("--fl-num-groups", fed.num_groups)) if value is None]
+                                        ("--fl-num-groups (or --fl-group-sizes)", fed.group_slots))
+               if value is None]
     if missing:
         raise ValueError("elastic mode (--fl-elastic) needs " + ", ".join(missing))
     problem = _shared_rendezvous_store_problem(os.environ)
@@ -110,12 +111,16 @@ def _elastic_env(cfg, env):
         raise ValueError(f"elastic mode: each job is one federation group, but --fl-group-size {fed.group_size} "
                          f"differs from the job's {env.world_size} ranks")
     fed.validate()
+    sizes = fed.unequal_sizes[0] if fed.group_sizes else None
+    if sizes is not None and sizes[fed.group_id] != env.world_size:
+        raise ValueError(f"elastic mode: --fl-group-sizes {fed.group_sizes} gives group {fed.group_id} "
+                         f"{sizes[fed.group_id]} ranks, but this job has {env.world_size}")
     own = f"group_{fed.group_id:05d}"  # each group's records and checkpoints in a directory of its own
     cfg.training.run_dir = str(Path(cfg.training.run_dir) / own)
     for key in ("save", "load"):
         if getattr(cfg.checkpoint, key) is not None:
             setattr(cfg.checkpoint, key, str(Path(getattr(cfg.checkpoint, key)) / own))
-    return env.in_federation(fed.group_id, fed.num_groups)
+    return env.in_federation(fed.group_id, fed.group_slots, sizes)
 
 
 def _shared_rendezvous_store_problem(environ) -> Optional[str]:

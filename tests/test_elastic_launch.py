@@ -206,3 +206,23 @@ def test_sigint_while_training_leaves_no_process_of_the_tree_running(tmp_path):
     assert "[group 0] joined groups 0, 1 at step 0" in text and "[group 1] joined groups 0, 1 at step 0" in text
     assert not re.search(r"\[group 1\] step ", text)  # progress of group 0 only
     assert "[group 0] stopped while running" in text and "[group 1] stopped while running" in text
+
+
+def test_groups_of_unequal_size_get_their_own_torchrun_sizes_and_the_list():
+    """--ranks-per-group 2,1: one torchrun job of 2 ranks and one of 1, each told every group's size
+    (--fl-group-sizes, not --fl-num-groups); a list of the wrong length, or the flag given by hand,
+    is refused. Printed by the launcher itself (--print-only), as a user would see it."""
+    done = subprocess.run([sys.executable, str(LAUNCHER), "--ranks-per-group", "2,1", "--print-only", "--",
+                           "--config", "examples/demo.json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    groups = [line for line in done.stdout.splitlines() if "fl_megatron.pretrain" in line]
+    assert len(groups) == 2
+    for g, line in enumerate(groups):
+        assert f"--nproc-per-node {2 - g} " in line and f"--fl-group-id {g} " in line, line
+        assert "--fl-group-sizes 2,1 " in line and "--fl-num-groups" not in line, line
+    for argv, needle in ((["--groups", "3", "--ranks-per-group", "2,1"], "2 group sizes for 3 groups"),
+                         (["--ranks-per-group", "2,1", "--", "--fl-group-sizes", "2,1"],
+                          "--fl-group-sizes is set by the launcher")):
+        refused = subprocess.run([sys.executable, str(LAUNCHER), "--print-only", *argv], capture_output=True,
+                                 text=True, timeout=60, cwd=ROOT)
+        assert refused.returncode == 2 and needle in refused.stderr, refused.stderr

@@ -197,8 +197,8 @@ def test_groups_of_two_sizes_are_refused_in_seconds_naming_both(tmp_path):
         assert code != 0 and seconds < 60, (g, seconds, log[-3000:])
         assert _worker_codes(log) == [2] * (2 if g == 0 else 1), log[-3000:]  # every rank: exit code 2
     assert _refusal(got[0][2]).endswith("group 0 has 2 ranks, group 1 has 1 rank. Every group must run with the "
-                                        "same settings (groups of unequal size are not supported yet); compare the "
-                                        "groups' config.json")
+                                        "same settings (groups of unequal size: give every group the same "
+                                        "--fl-group-sizes); compare the groups' config.json")
     assert "group 1 has 1 rank, group 0 has 2 ranks." in _refusal(got[1][2])
     assert not list((tmp_path / "run").glob("group_*/metrics.jsonl"))  # nothing trained
 

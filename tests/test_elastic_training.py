@@ -54,11 +54,12 @@ def _env(fault: str = "") -> dict:
 
 def _elastic(run_dir: Path, steps: int, *, min_groups: int, fault: str = "", max_restarts: int = 0,
              timeout: float = 420, extra: tuple = (), groups: int = 3, start_delays: tuple = (),
-             failing: tuple = (), join_timeout_ms: int = 60000) -> tuple[dict, str]:
+             failing: tuple = (), join_timeout_ms: int = 60000, ranks: str = "2") -> tuple[dict, str]:
     """Run the launcher; every group but those in `failing` must exit 0 (and those must not).
     Returns the groups' exit codes and what the launcher printed, which must show group 0's
-    progress and each group's last line with its exit code (a `done:` line where it is 0)."""
-    argv = [sys.executable, str(LAUNCHER), "--groups", str(groups), "--ranks-per-group", "2",
+    progress and each group's last line with its exit code (a `done:` line where it is 0).
+    `ranks`: each group's ranks, or a list of them ("2,1": groups of unequal size)."""
+    argv = [sys.executable, str(LAUNCHER), "--groups", str(groups), "--ranks-per-group", ranks,
             "--min-groups", str(min_groups), "--max-restarts", str(max_restarts), "--join-timeout-ms", str(join_timeout_ms),
             "--heartbeat-timeout-ms", "1000", "--timeout", str(timeout),
             *[f"--start-delay={g}:{s}" for g, s in start_delays], "--", *COMMON, "--train-iters", str(steps),
@@ -456,3 +457,46 @@ def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_on
         own = ckpt / f"group_{g:05d}"  # the state it stopped with, saved in its own directory
         assert (own / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
         assert sorted(p.name for p in own.glob("iter_*")) == ["iter_0000004", "iter_0000008"]
+
+
+def test_groups_of_2_and_1_ranks_heal_across_sizes_and_end_identical(tmp_path):
+    """Groups of unequal size in elastic mode (one torchft manager per group, atoms per quorum):
+    rank 1 of the 2-rank group is killed between syncs; the 1-rank group goes on alone; the 2-rank
+    group restarts and heals from it (shards, moments, anchors and momentum re-cut atom by atom,
+    no checkpoint) and from then on both hold the same model after every sync (nesterov, int8 +
+    error feedback). Before the kill they train exactly as the one-world run of groups 2 + 1."""
+    steps, run = 16, tmp_path / "run"
+    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback")
+    # global rank 1 = rank 1 of group 0, killed in step 6; group 1 pauses before step 9 so that the
+    # restarted group heals at step 12
+    _, shown = _elastic(run, steps, min_groups=1, fault="kill:forward-backward:6:1,delay:1:9:25", max_restarts=1,
+                        extra=extra, groups=2, ranks="2,1")
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(2)]
+    assert summaries[1]["first_step"] == 1 and summaries[1]["elastic"]["healed_at_step"] is None
+    assert summaries[0]["elastic"]["healed_at_step"] == 12 and summaries[0]["first_step"] == 13
+    syncs = [_syncs(run, g) for g in range(2)]
+    assert syncs[1][8]["groups"] == [1] and syncs[1][12]["healed_groups"] == [0] == syncs[0][12]["healed_groups"]
+    for step in (4, 12, 16):  # together: the same model, though cut in 2 and in 1
+        fingerprints = [syncs[g][step]["model_fingerprint"] for g in range(2)]
+        assert fingerprints[0] == fingerprints[1], (step, fingerprints)
+    assert len({syncs[1][s]["model_fingerprint"] for s in (4, 8, 12, 16)}) == 4
+    # the healed group's inner moments are the ones the 1-rank group sent (re-cut into 2 shards)
+    assert syncs[0][12]["optimizer_fingerprint"] == syncs[1][12]["optimizer_fingerprint"]
+    assert syncs[0][16]["optimizer_fingerprint"] != syncs[1][16]["optimizer_fingerprint"]  # each trains its own
+    # the 2-rank group's samples while down (steps 5-12), counted alike by both groups
+    assert [summaries[g]["elastic"]["skipped_samples"] for g in range(2)] == [(12 - 4) * 2 * 2] * 2
+    for line in ("[group 1] step 8: group(s) 0 left the federation (live: 1)",
+                 "[group 0] healed from the live groups at step 12",
+                 "[group 1] step 12: group(s) 0 healed from the live group(s) 1"):
+        assert line in shown, (line, shown[-3000:])
+    # before the kill, exactly the one-world run of the same layout (per-step losses of each group)
+    one_world = tmp_path / "one_world"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                    "-m", "fl_megatron.pretrain", *COMMON, *extra, "--train-iters", str(steps), "--exit-interval", "8", "--save", str(one_world / "ckpt"), "--fl-group-sizes", "2,1",
+                    "--ranks-per-node", "3", "--run-dir", str(one_world)],
+                   env=_env(), check=True, capture_output=True, timeout=300)
+    for g, last in ((0, 5), (1, 8)):
+        mine = {r["step"]: r["loss"] for r in _records(_group_dir(run, g) / "groups" / f"group_{g:05d}.jsonl")}
+        ref = {r["step"]: r["loss"] for r in _records(one_world / "groups" / f"group_{g:05d}.jsonl")}
+        for step in range(1, last + 1):
+            assert abs(mine[step] - ref[step]) <= 1e-6, (g, step, mine[step], ref[step])

@@ -32,8 +32,8 @@ from fl_megatron.launching.lighthouse import lighthouse_command, start_lighthous
 from fl_megatron.launching.ports import free_port
 from fl_megatron.launching.tree import become_subreaper, stop_tree
 
-SET_BY_LAUNCHER = ("--fl-elastic", "--fl-lighthouse", "--fl-group-id", "--fl-num-groups", "--fl-min-groups",
-                   "--world-size")
+SET_BY_LAUNCHER = ("--fl-elastic", "--fl-lighthouse", "--fl-group-id", "--fl-num-groups", "--fl-group-sizes",
+                   "--fl-min-groups", "--world-size")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -49,13 +49,18 @@ def _terminate(signum, frame) -> None:
     raise Terminated(signum)
 
 
-def elastic_commands(num_groups: int, ranks_per_group: int, min_groups: int, flags: Sequence[str], *,
+def elastic_commands(num_groups: int, ranks_per_group, min_groups: int, flags: Sequence[str], *,
                      lighthouse: str, max_restarts: int = 3, join_timeout_ms: int = 60000,
                      heartbeat_timeout_ms: int = 5000, python: str = sys.executable) -> list[Command]:
-    """The lighthouse's command, then one torchrun command per group."""
+    """The lighthouse's command, then one torchrun command per group. `ranks_per_group`: every
+    group's size, or a list of one size per group (groups of unequal size: --fl-group-sizes)."""
     problems = [f"{f} is set by the launcher; drop it" for f in SET_BY_LAUNCHER
                 if f in flags or flag_value(flags, f) is not None]
-    if num_groups < 1 or ranks_per_group < 1 or not 1 <= min_groups <= num_groups:
+    unequal = not isinstance(ranks_per_group, int)
+    sizes = list(ranks_per_group) if unequal else [ranks_per_group] * max(num_groups, 0)
+    if unequal and len(sizes) != num_groups:
+        problems.append(f"{len(sizes)} group sizes for {num_groups} groups: give one per group")
+    if num_groups < 1 or min(sizes, default=0) < 1 or not 1 <= min_groups <= num_groups:
         problems.append(f"groups={num_groups}, ranks per group={ranks_per_group} and min groups={min_groups}: "
                         "need groups >= 1, ranks >= 1 and 1 <= min groups <= groups")
     if problems:
@@ -65,11 +70,12 @@ def elastic_commands(num_groups: int, ranks_per_group: int, min_groups: int, fla
     env = {"RUST_LOG": "warn", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     commands = [lighthouse_command(lighthouse, min_groups, join_timeout_ms=join_timeout_ms,
                                    heartbeat_timeout_ms=heartbeat_timeout_ms, python=python, env=env)]
+    groups = ["--fl-group-sizes", ",".join(map(str, sizes))] if unequal else ["--fl-num-groups", str(num_groups)]
     for g in range(num_groups):
         argv = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc-per-node", str(ranks_per_group), "--max-restarts", str(max_restarts),
+                "--nproc-per-node", str(sizes[g]), "--max-restarts", str(max_restarts),
                 "-m", "fl_megatron.pretrain", *flags, "--fl-elastic", "--fl-lighthouse", lighthouse,
-                "--fl-group-id", str(g), "--fl-num-groups", str(num_groups), "--fl-min-groups", str(min_groups)]
+                "--fl-group-id", str(g), *groups, "--fl-min-groups", str(min_groups)]
         commands.append(Command(f"group_{g}", argv, env))
     return commands
 
@@ -144,8 +150,11 @@ def run_elastic(commands: list[Command], log_dir: Path, timeout: float, delays: 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s [options] -- PRETRAIN_FLAGS")
-    parser.add_argument("--groups", type=int, default=2, help="federation group slots F (one torchrun job each)")
-    parser.add_argument("--ranks-per-group", type=int, default=2, help="ranks of each group's job")
+    parser.add_argument("--groups", type=int, help="federation group slots F (one torchrun job each; default 2, or "
+                                                   "the count of --ranks-per-group's list)")
+    parser.add_argument("--ranks-per-group", default="2", metavar="N or N,N,...",
+                        help="ranks of each group's job, or one count per group for groups of unequal size "
+                             "(passed on as --fl-group-sizes)")
     parser.add_argument("--min-groups", type=int, default=1, help="live groups a sync needs (--fl-min-groups)")
     parser.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts of a failed group")
     parser.add_argument("--lighthouse", metavar="HOST:PORT", help="lighthouse address (default 127.0.0.1:free port)")
@@ -160,7 +169,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     flags = rest[1:] if rest[:1] == ["--"] else rest
     try:
         delays = {int(g): float(s) for g, s in (item.split(":", 1) for item in args.start_delay)}
-        commands = elastic_commands(args.groups, args.ranks_per_group, args.min_groups, flags,
+        sizes = [int(n) for n in args.ranks_per_group.split(",")]
+        ranks = sizes[0] if "," not in args.ranks_per_group else sizes
+        if args.groups is None:
+            args.groups = len(sizes) if "," in args.ranks_per_group else 2
+        commands = elastic_commands(args.groups, ranks, args.min_groups, flags,
                                     lighthouse=args.lighthouse or f"127.0.0.1:{free_port()}",
                                     max_restarts=args.max_restarts, join_timeout_ms=args.join_timeout_ms,
                                     heartbeat_timeout_ms=args.heartbeat_timeout_ms)

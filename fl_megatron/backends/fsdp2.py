@@ -17,8 +17,8 @@ from ..federation.groups import ProcessGroups
 from ..models import build_model
 from .common import InitialValues, wrap_blocks_for_recompute
 from .pickle_guard import GuardedPlanner, GuardedReader
-from .optimizer import (build_optimizer, forget_state, load_transfer_state_tensors, set_learning_rate,
-                        state_tensors, transfer_state_tensors)
+from .optimizer import (build_optimizer, forget_state, has_state, load_transfer_state_tensors, set_learning_rate,
+                        split_transfer_state, state_tensors, step_at_zero_lr, transfer_state_tensors)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -209,6 +209,17 @@ class FSDP2Backend:
         """Take a peer rank's `optimizer_transfer_state` (a group healing in elastic mode)."""
         load_transfer_state_tensors(self.optimizer, [p for _, p in self._sharded],
                                     [t.to(self.device) for t in tensors], _local)
+
+    def atom_optimizer_state(self, make: bool = False) -> tuple[list, list]:
+        """The inner optimizer's state for a heal between groups of unequal size: its moments as
+        streams in `atom_cut`'s order, re-cut atom by atom, and the rest (step counts) whole
+        (optimizer.split_transfer_state); both empty before the first step. `make`: a receiver
+        without state makes it first, by a step at learning rate 0 that leaves the parameters as
+        they are, so that it holds the sender's keys."""
+        params = [p for _, p in self._sharded]
+        if make and not has_state(self.optimizer, params):
+            step_at_zero_lr(self.optimizer, params)
+        return split_transfer_state(self.optimizer, params, _local)
 
     def refresh_after_sync(self) -> None:
         """Drop the parameters FSDP2 holds gathered, so that the next forward gathers them from the

@@ -64,15 +64,16 @@ def _writer(holder: dict, key: str, kind: type) -> Callable[[torch.Tensor], None
     return write
 
 
-def _transfer_entries(optimizer, params: list, local=_identity) -> list[tuple]:
+def _transfer_entries(optimizer, params: list, local=_identity, skip: frozenset = frozenset()) -> list[tuple]:
     """(tensor, how to write a received value back: None to copy in place) for everything a
     healing peer needs: per parameter in order its state, keys sorted (a Python number such as
     DeepSpeed FusedAdam's int step as a 0-d tensor), then the step count of each parameter group
-    holding one of `params` (Transformer Engine's and Apex's FusedAdam keep it there)."""
+    holding one of `params` (Transformer Engine's and Apex's FusedAdam keep it there). `skip`: keys
+    left out."""
     entries = []
     for param in params:
         state = optimizer.state.get(param, {})
-        for key in sorted(state):
+        for key in sorted(set(state) - skip):
             value = state[key]
             if torch.is_tensor(value):
                 entries.append((local(value), None))
@@ -85,6 +86,20 @@ def _transfer_entries(optimizer, params: list, local=_identity) -> list[tuple]:
             entries.append((step, None) if torch.is_tensor(step) else
                            (_count_tensor(step), _writer(group, "step", type(step))))
     return entries
+
+
+def split_transfer_state(optimizer, params: list, local=_identity) -> tuple[list, list]:
+    """The transfer state (`_transfer_entries`) split for a heal between groups of unequal size:
+    (streams, rest). A stream is one key whose tensor is shaped as every parameter's local shard
+    (a moment): the flat local tensor of each parameter, in order; it is re-cut atom by atom. The
+    rest (step counts, anything else) is `_transfer_entries`' (tensor, writer) list without the
+    streams: it travels whole. Both empty before the first step."""
+    states = [optimizer.state.get(p, {}) for p in params]
+    keys = sorted({key for state in states for key, value in state.items() if torch.is_tensor(value)})
+    moments = [key for key in keys if all(torch.is_tensor(state.get(key)) and local(state[key]).shape == local(p).shape
+                                          for state, p in zip(states, params))]
+    streams = [[local(state[key]).reshape(-1) for state in states] for key in moments]
+    return streams, _transfer_entries(optimizer, params, local, skip=frozenset(moments))
 
 
 def transfer_state_tensors(optimizer, params: list, local=_identity) -> list[torch.Tensor]:

@@ -147,6 +147,10 @@ def config_from_sources(json_data: Optional[dict], flags: dict, preset: Optional
         by_section.setdefault(section, {})[name] = value
     for section, values in by_section.items():
         _apply(getattr(cfg, section), values, "flags")
+    if flags.get("federation.group_sizes"):  # the command line's groups replace a file's equal ones
+        for name in ("group_size", "num_groups"):
+            if f"federation.{name}" not in flags:
+                setattr(cfg.federation, name, None)
     return cfg
 
 

@@ -64,9 +64,10 @@ class FederationConfig:
     hsdp_shard_size: Optional[int] = field(
         default=None, metadata={"help": "HSDP shard size S inside a group (S divides G; default G = FSDP)"})
     group_sizes: str = field(
-        default="", metadata={"help": "groups of unequal size, one world: ranks per group, comma-separated in rank "
-                                      "order (e.g. 8,4: a site of 8 GPUs beside one of 4); replaces "
-                                      "--fl-group-size and --fl-num-groups (docs/heterogeneous.md)"})
+        default="", metadata={"help": "groups of unequal size: ranks per group, comma-separated in rank order "
+                                      "(e.g. 8,4: a site of 8 GPUs beside one of 4); replaces --fl-group-size and "
+                                      "--fl-num-groups; in elastic mode every group's job gives the same list "
+                                      "(docs/heterogeneous.md)"})
     hsdp_shard_sizes: str = field(
         default="", metadata={"help": "with --fl-group-sizes: each group's HSDP shard size, comma-separated "
                                       "(default: each group's size, FSDP inside every group)"})
@@ -291,6 +292,21 @@ class FederationConfig:
         nodes = _int_list("group_ranks_per_node", self.group_ranks_per_node) if self.group_ranks_per_node else []
         return sizes, shards, nodes
 
+    def _group_sizes_list_error(self) -> Optional[str]:
+        """Why --fl-group-sizes (and the lists beside it) cannot be read, or None."""
+        try:
+            _ = self.unequal_sizes
+        except ValueError as e:
+            return str(e)
+        return None
+
+    @property
+    def group_slots(self) -> Optional[int]:
+        """Elastic mode's group slots: one per --fl-group-sizes entry, else --fl-num-groups."""
+        if self.group_sizes and self._group_sizes_list_error() is None:
+            return len(self.unequal_sizes[0])
+        return self.num_groups
+
     @property
     def pinned_intervals(self) -> list[int]:
         """--fl-group-intervals as counts (empty when not given). ValueError on a malformed list."""
@@ -387,8 +403,23 @@ class FederationConfig:
             if len(values) != len(sizes):
                 errors.append(f"{name} has {len(values)} values for {len(sizes)} groups: give one per group")
         if self.elastic:
-            errors.append("group_sizes describes one world; in elastic mode each group is its own job and "
-                          "groups of unequal size are not supported yet (docs/heterogeneous.md)")
+            errors += self._elastic_unequal_errors(sizes, shards, nodes)
+        return errors
+
+    def _elastic_unequal_errors(self, sizes: list[int], shards: list[int], nodes: list[int]) -> list[str]:
+        """What elastic groups of unequal size refuse yet, with the reason (docs/heterogeneous.md)."""
+        errors = []
+        if shards != sizes:
+            errors.append("hsdp_shard_sizes in elastic mode: a heal across group sizes copies each atom to one "
+                          "replica of its shard only")
+        if nodes:
+            errors.append("group_ranks_per_node in elastic mode: each group is its own job, laid out by its own "
+                          "launcher")
+        for name, value, why in (("fragments", self.fragments > 1, "fragment syncs"),
+                                 ("overlap_steps", self.overlap_steps > 0, "overlapped syncs")):
+            if value:
+                errors.append(f"{name} in elastic mode with group_sizes: {why} of elastic groups of unequal size "
+                              "are not built yet")
         return errors
 
     def _per_group_steps_errors(self) -> list[str]:
@@ -434,7 +465,14 @@ class FederationConfig:
             errors.append(f"start_wait_seconds={self.start_wait_seconds} must be >= 0")
         if self.peer_timeout_seconds <= 0:
             errors.append(f"peer_timeout_seconds={self.peer_timeout_seconds} must be positive")
-        if self.num_groups is None:
+        if self.group_sizes:  # the slots are the groups listed (_group_sizes_errors checks the rest)
+            slots = len(self.unequal_sizes[0]) if not self._group_sizes_list_error() else None
+            if slots is not None and self.group_id is not None and not 0 <= self.group_id < slots:
+                errors.append(f"group_id={self.group_id} is not a group of group_sizes={self.group_sizes!r} "
+                              f"(0 .. {slots - 1})")
+            elif slots is not None and self.min_groups > slots:
+                errors.append(f"min_groups={self.min_groups} exceeds the {slots} groups of group_sizes")
+        elif self.num_groups is None:
             errors.append("elastic mode needs num_groups (--fl-num-groups: the number of group slots; each job "
                           "is one group, so the launcher's world is one group)")
         elif self.group_id is not None and not 0 <= self.group_id < self.num_groups:

@@ -58,6 +58,8 @@ class RunConfig:
         unequal = self.federation.unequal_sizes
         if unequal is not None:
             sizes, shards, nodes = unequal
+            if self.federation.elastic:  # each group is its own job, on nodes of its own
+                nodes = list(sizes)
             if sum(sizes) != world_size:
                 raise ValueError(f"group_sizes={self.federation.group_sizes!r} holds {sum(sizes)} ranks but the job "
                                  f"has {world_size}")

@@ -19,8 +19,33 @@ from .signature import Signature
 from .waiting import WaitWatch
 
 
+class ElasticMembership:
+    """Elastic mode's membership calls (the engine's meet before each sync and commit after it),
+    passed to what keeps this rank's quorum (`_quorum_keeper`): a sync the live groups may vote
+    down, every rank restoring what it had (transaction.py)."""
+
+    def _quorum_keeper(self):
+        raise NotImplementedError
+
+    def transaction(self, backend, state) -> RollbackTransaction:
+        return RollbackTransaction(self, backend, state)
+
+    def meet(self) -> Membership:
+        return self._quorum_keeper().meet()
+
+    def commit(self) -> bool:
+        return self._quorum_keeper().commit()
+
+    def report_error(self, error: Exception) -> None:
+        self._quorum_keeper().report_error(error)
+
+    def peer_deadline(self):
+        """The time bound of one sync's cross-group collectives (elastic/peer_deadline.py)."""
+        return self._quorum_keeper().deadline()
+
+
 @dataclass
-class ElasticProcessGroups(ProcessGroups):
+class ElasticProcessGroups(ElasticMembership, ProcessGroups):
     """`ProcessGroups` whose layout is the whole federation (ranks and coordinates are federation
     ranks) while every group below the peer tier is built in this job's own world. The engine
     calls `meet` before each sync and `commit` after it, as in one world."""
@@ -33,10 +58,6 @@ class ElasticProcessGroups(ProcessGroups):
         meeting); the HSDP replica gathers need a group of their own (`exchange=True`)."""
         return not self.layout.is_hsdp or self.exchange_replica is not None
 
-    def transaction(self, backend, state) -> RollbackTransaction:
-        """A sync the live groups may vote down: every rank restores what it had (transaction.py)."""
-        return RollbackTransaction(self, backend, state)
-
     @property
     def peer(self) -> Optional[dist.ProcessGroup]:
         """The ranks holding this rank's shard position in the live groups of the current quorum
@@ -44,18 +65,8 @@ class ElasticProcessGroups(ProcessGroups):
         tier = self.elastic_tier  # (None until the session joins it)
         return tier.group if tier is not None and tier.has_quorum else None
 
-    def meet(self) -> Membership:
-        return self.elastic_tier.meet()
-
-    def commit(self) -> bool:
-        return self.elastic_tier.commit()
-
-    def report_error(self, error: Exception) -> None:
-        self.elastic_tier.report_error(error)
-
-    def peer_deadline(self):
-        """The time bound of one sync's cross-group collectives (elastic/peer_deadline.py)."""
-        return self.elastic_tier.deadline()
+    def _quorum_keeper(self) -> ElasticPeerTier:
+        return self.elastic_tier
 
 
 def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, tier: Optional[ElasticPeerTier],
@@ -80,12 +91,15 @@ def build_elastic_process_groups(layout: Layout, rank: int, device_type: str, ti
 def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: str, timeout: timedelta,
               state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
               training_step: Callable[[], int], signature: Signature, say: Callable[[str], None],
-              run_dir: Optional[str] = None, position: Optional[Callable[[], int]] = None) -> ElasticPeerTier:
+              run_dir: Optional[str] = None, position: Optional[Callable[[], int]] = None,
+              leader_only: bool = False):
     """This rank's torchft manager (collective over the job). Its group's manager server starts
     on rank 0 first: torchft publishes the server's address in the job's store, where a restarted
     job would otherwise find its previous attempt's address. `signature`: what the groups must
     agree on (refused at the first meeting otherwise, see waiting.py); `say`: the console;
-    `position`: torchft's step (default: the training step)."""
+    `position`: torchft's step (default: the training step). `leader_only` (groups of unequal
+    size, group_quorum.py): one manager for the group, on rank 0; returns (its tier or None on the
+    other ranks, this rank's WaitWatch)."""
     address = fed.lighthouse if "://" in fed.lighthouse else f"http://{fed.lighthouse}"
     store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
@@ -95,14 +109,17 @@ def join_tier(fed: FederationConfig, job_rank: int, job_size: int, device_type: 
     watch = WaitWatch(fed.lighthouse, fed.group_id, signature, job_rank, say, refusal)
 
     def tier() -> ElasticPeerTier:
-        return ElasticPeerTier(fed.group_id, job_rank, job_size, address, store_addr, store_port, fed.min_groups,
+        rank, size = (0, 1) if leader_only else (job_rank, job_size)
+        return ElasticPeerTier(fed.group_id, rank, size, address, store_addr, store_port, fed.min_groups,
                                state_dict, load_state_dict, device_type, timeout=timeout,
                                quorum_timeout=timedelta(minutes=fed.quorum_timeout_minutes),
-                               training_step=training_step, num_groups=fed.num_groups, watch=watch,
+                               training_step=training_step, num_groups=fed.group_slots, watch=watch,
                                position=position,
                                replica_id=signature.replica_id(fed.group_id),
                                peer_timeout=timedelta(seconds=fed.peer_timeout_seconds))
 
     made = tier() if job_rank == 0 else None
     dist.barrier()
+    if leader_only:
+        return made, watch
     return made or tier()

@@ -94,7 +94,8 @@ class MembershipLog:
 
     group: int
     num_groups: int
-    samples_per_group_step: int
+    samples_per_rank_step: int
+    group_sizes: tuple  # each group's ranks
     live: Optional[tuple] = None
     counts: dict = field(default_factory=lambda: {"left": 0, "joined": 0, "healed": 0, "failed_syncs": 0})
 
@@ -123,8 +124,9 @@ class MembershipLog:
                          f"group(s) {', '.join(str(g) for g in m.groups if g not in sync.joined)}"
                          + (f" in {m.seconds:.2f} s" if m.healed else ""))
         self.live = m.groups
-        absent = self.num_groups - m.size + len(sync.joined)
-        state.skipped_samples += absent * (step - state.last_sync) * self.samples_per_group_step
+        absent = [g for g in range(self.num_groups) if g not in m.groups or g in sync.joined]
+        state.skipped_samples += (sum(self.group_sizes[g] for g in absent) * (step - state.last_sync)
+                                  * self.samples_per_rank_step)
         state.last_sync = step
         record = {"groups": list(m.groups), "quorum_id": m.quorum_id, "quorum_s": round(m.seconds, 4),
                   "healed_groups": list(sync.joined), "skipped_samples": state.skipped_samples}

@@ -11,13 +11,18 @@ import torch.distributed as dist
 
 from ..config import ResolvedRun
 from ..federation import SyncResult
-from ..federation.failed_collective import is_failed_collective
+from ..federation.failed_collective import PeerLatch
+from ..federation.fingerprint import group_fingerprint
 from ..federation.vote import GroupFigures
 from ..models import count_parameters
+from ..group_layout import GroupLayout
+from .group_quorum import GroupQuorum
 from .groups import build_elastic_process_groups, join_tier
+from .heal_across_sizes import HealAcrossSizes
 from .healing import HealingState, MembershipLog, shard_digests, torchft_step
 from .signature import federation_signature
 from .start_wait import wait_for_every_slot
+from .unequal_groups import ElasticUnequalGroups, build_elastic_unequal_groups
 
 
 class ElasticSession:
@@ -39,6 +44,10 @@ class ElasticSession:
         heartbeats earlier would make the live groups' syncs wait for a group that cannot come yet."""
         cfg = self.run.cfg
         self._timeout = timeout
+        if isinstance(self.run.layout, GroupLayout):  # groups of unequal size: atoms, and the leaders' quorum
+            self.groups = build_elastic_unequal_groups(self.run.layout, self.env.rank, device_type, timeout,
+                                                       async_checkpoint=cfg.checkpoint.async_save)
+            return self.groups
         self.groups = build_elastic_process_groups(self.run.layout, self.env.rank, device_type, None, timeout,
                                                    async_checkpoint=cfg.checkpoint.async_save,
                                                    exchange=cfg.federation.overlap_steps > 0 or cfg.federation.tune)
@@ -49,10 +58,29 @@ class ElasticSession:
         hears this group."""
         cfg = self.run.cfg
         signature = federation_signature(self.run, count_parameters(cfg.model))
+        if isinstance(self.groups, ElasticUnequalGroups):
+            self._join_group_quorum(signature)
+            return
         self.groups.elastic_tier = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size,
                                              self.groups.device_type, self._timeout, self.healing.source,
                                              self.healing.receive, lambda: self.healing.step, signature, self.say,
                                              cfg.training.run_dir, self._position)
+
+    def _join_group_quorum(self, signature) -> None:
+        """Groups of unequal size: one torchft manager for the group, on its first rank, and the
+        quorum every rank of the group meets through it (group_quorum.py)."""
+        cfg, groups = self.run.cfg, self.groups
+        atoms = groups.quorum_atoms
+        heal = HealAcrossSizes(self.healing, atoms.plan, groups.rank, atoms,
+                               int(cfg.federation.bucket_mb * (1 << 20)))
+        tier, watch = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, groups.device_type,
+                                self._timeout, heal.source, heal.receive, lambda: self.healing.step, signature,
+                                self.say, cfg.training.run_dir, self._position, leader_only=True)
+        shards = self.backend.local_shards()
+        device = shards[0].device if shards else torch.device(groups.device_type)
+        wait = timedelta(minutes=cfg.federation.quorum_timeout_minutes) + self._timeout
+        groups.quorum = GroupQuorum(groups.federation, tier, atoms, heal, device,
+                                    dist.distributed_c10d._get_default_store(), wait, watch)
 
     def _position(self) -> int:
         """torchft's step for this group: its training step, then the syncs it kept."""
@@ -75,8 +103,8 @@ class ElasticSession:
         self.healing.step = self.healing.last_sync = start_step
         layout, group = self.run.layout, self.groups.coords[0]
         t = self.run.cfg.training
-        self.members = MembershipLog(group, layout.num_groups,
-                                     t.micro_batch_size * self.run.accumulation * layout.group_size)
+        sizes = layout.group_sizes if isinstance(layout, GroupLayout) else (layout.group_size,) * layout.num_groups
+        self.members = MembershipLog(group, layout.num_groups, t.micro_batch_size * self.run.accumulation, sizes)
         fed = self.run.cfg.federation
         self._join_tier()
         self._wait_for_every_slot(backend, group)
@@ -115,7 +143,7 @@ class ElasticSession:
         if fed.start_wait_seconds <= 0:
             return
         if self.env.job_rank == 0:
-            self.say(f"  group {group}: " + wait_for_every_slot(fed.lighthouse, fed.num_groups, group,
+            self.say(f"  group {group}: " + wait_for_every_slot(fed.lighthouse, fed.group_slots, group,
                                                                 fed.start_wait_seconds, self.say))
         shards = backend.local_shards()
         device = shards[0].device if shards else torch.device(self.groups.device_type)
@@ -128,12 +156,10 @@ class ElasticSession:
         quorum down."""
         shards = backend.local_shards()
         device = shards[0].device if shards else torch.device(self.groups.device_type)
-        try:
-            dist.all_reduce(torch.zeros(1, device=device), group=self.groups.peer)
-        except RuntimeError as e:
-            if not is_failed_collective(e):
-                raise
-            self.groups.report_error(e)
+        latch = PeerLatch()
+        self.groups.reduce_across_groups(torch.zeros(1, device=device), call=latch)
+        if latch.error is not None:
+            self.groups.report_error(latch.error)
 
     # --- during training --------------------------------------------------------------------
     def at_step(self, done: int) -> None:
@@ -157,9 +183,17 @@ class ElasticSession:
         and sync state (outer anchors and state, residuals: what a voted-down sync restores), hashed."""
         shards, group = self.backend.local_shards(), self.groups.federation
         device = shards[0].device if shards else torch.device(self.groups.device_type)
-        return {"shard_digests": shard_digests(shards, group, device),
-                "optimizer_digests": shard_digests(self.backend.optimizer_transfer_state(), group, device),
-                "sync_state_digests": shard_digests(list(self.engine.state_tensors().values()), group, device)}
+        out = {"shard_digests": shard_digests(shards, group, device),
+               "optimizer_digests": shard_digests(self.backend.optimizer_transfer_state(), group, device),
+               "sync_state_digests": shard_digests(list(self.engine.state_tensors().values()), group, device)}
+        if isinstance(self.groups, ElasticUnequalGroups):  # shards cut differently: compare the models instead
+            plan, rank = self.groups.quorum_atoms.plan, self.groups.rank
+            ranges = [plan.shard_range(rank, t) for t in range(len(plan.numels))]
+            out["model_fingerprint"] = group_fingerprint(self.backend.atom_shards(), ranges, group)
+            moments = self.backend.atom_optimizer_state()[0]  # (a healed group's are its source's)
+            out["optimizer_fingerprint"] = group_fingerprint([t for stream in moments for t in stream],
+                                                             ranges * len(moments), group)
+        return out
 
     def healed_step(self, sync: Optional[SyncResult]) -> Optional[int]:
         """Where to go on after a sync at which this group, behind the others since it missed a

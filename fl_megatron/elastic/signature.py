@@ -59,9 +59,11 @@ def federation_signature(run: ResolvedRun, parameters: int) -> Signature:
     other_fed = {k: v for k, v in dataclasses.asdict(fed).items() if k not in _OWN_OR_LISTED}
     training = {k: getattr(t, k) for k in _TRAINING_AGREED}
     training["deepspeed"] = cfg.deepspeed
+    unequal = hasattr(lay, "group_sizes")  # a GroupLayout: every group agrees on every group's size
     items = (
-        ("ranks", str(lay.group_size)),
-        ("--fl-hsdp-shard-size", str(lay.shard_size) if lay.is_hsdp else "none"),
+        ("ranks", "+".join(map(str, lay.group_sizes)) if unequal else str(lay.group_size)),
+        ("--fl-hsdp-shard-size", "none" if not lay.is_hsdp else
+         "+".join(map(str, lay.shard_sizes)) if unequal else str(lay.shard_size)),
         ("--fl-num-groups", str(lay.num_groups)),
         ("--fl-min-groups", str(fed.min_groups)),
         ("model", f"{parameters}p{_digest(dataclasses.asdict(cfg.model))}"),

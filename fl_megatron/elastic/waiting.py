@@ -163,8 +163,8 @@ class WaitWatch:
         text = mismatch_text(self.signature, self.group, others)
         if text is not None and self._refusal is not None:
             self._refusal.leave(f"group {self.group}: the federation's groups do not match: {text}. Every group "
-                                "must run with the same settings (groups of unequal size are not supported yet); "
-                                "compare the groups' config.json")
+                                "must run with the same settings (groups of unequal size: give every group the same "
+                                "--fl-group-sizes); compare the groups' config.json")
 
     def _line(self, what: str, waited: float, replicas: Optional[list], problem: Optional[Exception]) -> str:
         head = f"  group {self.group}: {waited:.0f} s waiting for {what}, at the lighthouse {self.lighthouse}"

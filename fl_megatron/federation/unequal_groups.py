@@ -73,6 +73,10 @@ class UnequalGroups(ProcessGroups):
         syncs; HSDP groups need the exchange's own replica groups (`exchange=True`)."""
         return not self.whole.is_hsdp or self.exchange_replica is not None
 
+    def atom_communicators(self, plan: AtomPlan, timeout: Optional[timedelta] = None) -> dict:
+        """This rank's communicators of `plan`'s owner tuples (collective over the world)."""
+        return build_atom_groups(plan, self.rank, timeout=timeout if timeout is not None else self.timeout)
+
     def reduce_across_groups(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, call=call_directly) -> None:
         """Reduce a tensor that is the same on every rank of each group across the groups: over the
         leaders, then from each leader to its group (the vote's table)."""
@@ -149,7 +153,7 @@ def plan_shards(groups: UnequalGroups, shapes: Sequence[Sequence[int]], rule: st
         plan = plan_atoms(groups.whole.groups, gathered_cuts(groups, ranges, numels), numels)
     else:
         plan = plan_for_shapes(groups.whole.groups, shapes, rule)
-    groups.atoms = build_atom_groups(plan, groups.rank, timeout=timeout if timeout is not None else groups.timeout)
+    groups.atoms = groups.atom_communicators(plan, timeout)
     return plan
 
 

@@ -30,11 +30,13 @@ class LaunchEnv:
     def job_world_size(self) -> int:
         return self.world_size if self.job is None else self.job[1]
 
-    def in_federation(self, group_id: int, num_groups: int) -> "LaunchEnv":
+    def in_federation(self, group_id: int, num_groups: int, sizes=None) -> "LaunchEnv":
         """Elastic mode: this job is federation group `group_id` of `num_groups` slots; ranks in
-        the federation are group_id * group size + job rank (the data and the layout use them)."""
+        the federation are group_id * group size + job rank (the data and the layout use them), or
+        with groups of unequal `sizes` the sizes of the groups before it + job rank."""
         size = self.world_size
-        return LaunchEnv(group_id * size + self.rank, num_groups * size, self.local_rank, self.local_world_size,
+        first, world = (group_id * size, num_groups * size) if sizes is None else (sum(sizes[:group_id]), sum(sizes))
+        return LaunchEnv(first + self.rank, world, self.local_rank, self.local_world_size,
                          self.local_world_from_launcher, (self.rank, size))
 
     @property
