@@ -122,8 +122,8 @@ def test_the_watch_refuses_only_once_its_own_group_is_seen_and_says_what_it_wait
                 client.heartbeat(mine.replica_id(0) + ":uuid-0")
                 watch.check_now()
         assert refusal.lines == ["group 0: the federation's groups do not match: --seed: group 0 has 1234, group 1 "
-                                 "has 9. Every group must run with the same settings (groups of unequal size are not "
-                                 "supported yet); compare the groups' config.json"]
+                                 "has 9. Every group must run with the same settings (groups of unequal size: give "
+                                 "every group the same --fl-group-sizes); compare the groups' config.json"]
     finally:
         watch.close()
         server.shutdown()
@@ -153,7 +153,7 @@ def _start(argv: list, log: Path, fault: str = "") -> subprocess.Popen:
 
 
 def _run_groups(tmp_path: Path, lighthouse: str, commands: dict, *, fault: str = "", start_after: tuple = (),
-                timeout: float = 150) -> dict:
+                timeout: float = 150, join_timeout_ms: int = 60000) -> dict:
     """Start a lighthouse at `lighthouse`, then each group's torchrun (`start_after` = (g, other,
     text): group g once group `other`'s log shows `text`); wait for all. Returns {group: (seconds
     from its start to its exit, torchrun's exit code, its log)}."""
@@ -161,7 +161,7 @@ def _run_groups(tmp_path: Path, lighthouse: str, commands: dict, *, fault: str =
     log_dir.mkdir(parents=True)
     logs = {g: log_dir / f"group_{g}.log" for g in commands}
     waits = {g: (other, text) for g, other, text in start_after}
-    lighthouse_proc, _ = start_lighthouse(lighthouse_command(lighthouse, 2, join_timeout_ms=60000,
+    lighthouse_proc, _ = start_lighthouse(lighthouse_command(lighthouse, 2, join_timeout_ms=join_timeout_ms,
                                                              heartbeat_timeout_ms=5000), log_dir)
     procs, began, ended, begin = {}, {}, {}, time.monotonic()
     try:
@@ -218,12 +218,16 @@ def test_other_sync_intervals_are_refused_and_a_restart_does_not_retry(tmp_path)
     assert _worker_codes(got[0][2])[-1] == 2
 
 
+NO_WAIT = ("--fl-start-wait-seconds", "0")
+
+
 def test_a_group_joining_with_other_settings_is_refused_and_the_federation_goes_on(tmp_path):
     lighthouse, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
     common = dict(groups=3, min_groups=2, steps=12)
     # groups 0 and 1 meet, sync at step 4 and pause before step 6, while group 2 comes with another seed
-    got = _run_groups(tmp_path, lighthouse, {0: _group(0, 1, lighthouse, run, **common),
-                                             1: _group(1, 1, lighthouse, run, **common),
+    # (they meet without waiting for slot 2 to start: --fl-start-wait-seconds 0)
+    got = _run_groups(tmp_path, lighthouse, {0: _group(0, 1, lighthouse, run, *NO_WAIT, **common),
+                                             1: _group(1, 1, lighthouse, run, *NO_WAIT, **common),
                                              2: _group(2, 1, lighthouse, run, "--seed", "7", **common)},
                       fault="delay:0:6:25,delay:1:6:25", start_after=((2, 0, "joined groups 0, 1"),), timeout=240)
     assert [got[g][1] for g in (0, 1)] == [0, 0], got[0][2][-3000:] + got[1][2][-3000:]

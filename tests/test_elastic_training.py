@@ -492,8 +492,9 @@ def test_groups_of_2_and_1_ranks_heal_across_sizes_and_end_identical(tmp_path):
     # before the kill, exactly the one-world run of the same layout (per-step losses of each group)
     one_world = tmp_path / "one_world"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                    "-m", "fl_megatron.pretrain", *COMMON, *extra, "--train-iters", str(steps), "--exit-interval", "8", "--save", str(one_world / "ckpt"), "--fl-group-sizes", "2,1",
-                    "--ranks-per-node", "3", "--run-dir", str(one_world)],
+                    "-m", "fl_megatron.pretrain", *COMMON, *extra, "--train-iters", str(steps), "--exit-interval", "8",
+                    "--save", str(one_world / "ckpt"), "--fl-group-sizes", "2,1", "--ranks-per-node", "3",
+                    "--run-dir", str(one_world)],
                    env=_env(), check=True, capture_output=True, timeout=300)
     for g, last in ((0, 5), (1, 8)):
         mine = {r["step"]: r["loss"] for r in _records(_group_dir(run, g) / "groups" / f"group_{g:05d}.jsonl")}
