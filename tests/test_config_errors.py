@@ -313,8 +313,6 @@ ELASTIC = ["--fl-elastic", "--fl-lighthouse", "localhost:29510", "--fl-group-id"
     (ELASTIC + ["--save", "/tmp/ckpt", "--save-interval", "6"], ["--save-interval 6", "multiple of --fl-sync-interval"]),
     (ELASTIC + ["--save", "/tmp/ckpt", "--exit-interval", "6"], ["--exit-interval 6", "multiple of --fl-sync-interval"]),
     (ELASTIC + ["--save", "/tmp/ckpt", "--ckpt-mode", "compact"], ["--ckpt-mode compact"]),
-    (ELASTIC[:5] + ["--fl-group-sizes", "8,4", "--fl-hsdp-shard-sizes", "4,4"],
-     ["hsdp_shard_sizes in elastic mode: a heal across group sizes copies each atom to one replica"]),
     (ELASTIC[:5] + ["--fl-group-sizes", "8,4", "--fl-fragments", "2"],
      ["fragments in elastic mode with group_sizes"]),
     (ELASTIC[:5] + ["--fl-group-sizes", "8,4", "--fl-overlap-steps", "1"],

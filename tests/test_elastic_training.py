@@ -459,14 +459,17 @@ def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_on
         assert sorted(p.name for p in own.glob("iter_*")) == ["iter_0000004", "iter_0000008"]
 
 
-def test_groups_of_2_and_1_ranks_heal_across_sizes_and_end_identical(tmp_path):
+@pytest.mark.parametrize("inner", [pytest.param((), id="fsdp"),
+                                   pytest.param(("--fl-hsdp-shard-sizes", "1,1"), id="hsdp", marks=HEAVY)])
+def test_groups_of_2_and_1_ranks_heal_across_sizes_and_end_identical(tmp_path, inner):
     """Groups of unequal size in elastic mode (one torchft manager per group, atoms per quorum):
     rank 1 of the 2-rank group is killed between syncs; the 1-rank group goes on alone; the 2-rank
     group restarts and heals from it (shards, moments, anchors and momentum re-cut atom by atom,
     no checkpoint) and from then on both hold the same model after every sync (nesterov, int8 +
-    error feedback). Before the kill they train exactly as the one-world run of groups 2 + 1."""
+    error feedback). Before the kill they train exactly as the one-world run of groups 2 + 1. With
+    HSDP (2 replicas of 1 shard) each replica receives half of the atoms and passes them on."""
     steps, run = 16, tmp_path / "run"
-    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback")
+    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback", *inner)
     # global rank 1 = rank 1 of group 0, killed in step 6; group 1 pauses before step 9 so that the
     # restarted group heals at step 12
     _, shown = _elastic(run, steps, min_groups=1, fault="kill:forward-backward:6:1,delay:1:9:25", max_restarts=1,

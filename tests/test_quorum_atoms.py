@@ -4,7 +4,9 @@ tuple), the average over them, a heal's copy across group sizes, and the model f
 does not depend on the cut.
 
 Three processes: group 0 of 2 ranks and group 1 of 1 rank, FSDP2's row cut of four tensors
-(uneven ones included). Checked against the full tensors, built alike in every process."""
+(uneven ones included); group 0 is FSDP over 2, or HSDP with 2 replicas of 1 shard (each replica
+averages and receives half of the atoms and passes them to the other). Checked against the full
+tensors, built alike in every process."""
 
 from datetime import timedelta
 
@@ -34,31 +36,34 @@ def _cut(plan, rank: int, full: list) -> list:
     return [t.reshape(-1)[slice(*plan.shard_range(rank, i))].clone() for i, t in enumerate(full)]
 
 
-def _worker(rank: int, world: int, port: int) -> dict:
+def _worker(rank: int, world: int, port: int, shards: tuple) -> dict:
     from fl_megatron.elastic.quorum_atoms import QuorumAtoms
 
-    plan = plan_for_shapes(groups_from_sizes([2, 1]), SHAPES, "fsdp2")
+    plan = plan_for_shapes(groups_from_sizes([2, 1], shards), SHAPES, "fsdp2")
     group = plan.group_of(rank)
     store_server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if rank == 0 else None
     own = [dist.new_group([0, 1]), dist.new_group([2])][group]
+    replicas = own if plan.groups[group].replicas > 1 else None
     dist.barrier()
     atoms = QuorumAtoms(plan, rank, "gloo", timeout=timedelta(seconds=60))
     out = {"made": atoms.build(7, (0, 1), f"127.0.0.1:{port}"), "again": atoms.build(7, (1, 0), f"127.0.0.1:{port}")}
     out["sizes"] = sorted(dist.get_world_size(pg) for pg in atoms.communicators.values() if pg is not None)
     # the average over the quorum's atoms: (a + b) / 2 of the groups' full tensors, bit for bit
     shards = _cut(plan, rank, _full(group))
-    AtomAverager(plan, rank, atoms.communicators, bucket_bytes=16).average(shards)
+    AtomAverager(plan, rank, atoms.communicators, bucket_bytes=16, replica_group=replicas).average(shards)
     mean = [(a + b) / 2 for a, b in zip(_full(0), _full(1))]
     out["average"] = all(torch.equal(s, m) for s, m in zip(shards, _cut(plan, rank, mean)))
     ranges = [plan.shard_range(rank, t) for t in range(len(SHAPES))]
-    out["fingerprint_mean"] = group_fingerprint(shards, ranges, own)
+    first = plan.shard_of(rank)[1] == 0  # HSDP: one replica of each shard counts
+    out["fingerprint_mean"] = group_fingerprint(shards, ranges, own, first)
     # a heal from the 1-rank group into the 2-rank group: two streams, each re-cut atom by atom
     streams = [_cut(plan, rank, _full(group, salt)) for salt in (1, 2)]
-    before = group_fingerprint(streams[0], ranges, own)
-    out["sent_1"] = copy_across_groups_(plan, rank, atoms.communicators, streams, 1, [0], (0, 1), bucket_bytes=12)
+    before = group_fingerprint(streams[0], ranges, own, first)
+    out["sent_1"] = copy_across_groups_(plan, rank, atoms.communicators, streams, 1, [0], (0, 1), bucket_bytes=12,
+                                        replica_group=replicas)
     out["copied_1"] = all(torch.equal(s, r) for salt, stream in zip((1, 2), streams)
                           for s, r in zip(stream, _cut(plan, rank, _full(1, salt))))
-    out["fingerprints"] = (before, group_fingerprint(streams[0], ranges, own))
+    out["fingerprints"] = (before, group_fingerprint(streams[0], ranges, own, first))
     # a new quorum (another id): its communicators anew, and the copy the other way
     out["remade"] = atoms.build(8, (0, 1), f"127.0.0.1:{port}")
     streams = [_cut(plan, rank, _full(group, 3))]
@@ -70,8 +75,9 @@ def _worker(rank: int, world: int, port: int) -> dict:
     return out
 
 
-def test_quorum_atoms_average_copy_across_sizes_and_fingerprint():
-    results = run_ranks(3, _worker, free_port(), timeout=240)
+@pytest.mark.parametrize("shards", [(2, 1), (1, 1)], ids=["fsdp", "hsdp"])
+def test_quorum_atoms_average_copy_across_sizes_and_fingerprint(shards):
+    results = run_ranks(3, _worker, free_port(), shards, timeout=240)
     for rank, r in enumerate(results):
         assert r["made"] and not r["again"] and r["remade"], r  # the same quorum and groups: kept
         assert r["average"] and r["copied_1"] and r["copied_0"], (rank, r)

@@ -403,15 +403,12 @@ class FederationConfig:
             if len(values) != len(sizes):
                 errors.append(f"{name} has {len(values)} values for {len(sizes)} groups: give one per group")
         if self.elastic:
-            errors += self._elastic_unequal_errors(sizes, shards, nodes)
+            errors += self._elastic_unequal_errors(nodes)
         return errors
 
-    def _elastic_unequal_errors(self, sizes: list[int], shards: list[int], nodes: list[int]) -> list[str]:
+    def _elastic_unequal_errors(self, nodes: list[int]) -> list[str]:
         """What elastic groups of unequal size refuse yet, with the reason (docs/heterogeneous.md)."""
         errors = []
-        if shards != sizes:
-            errors.append("hsdp_shard_sizes in elastic mode: a heal across group sizes copies each atom to one "
-                          "replica of its shard only")
         if nodes:
             errors.append("group_ranks_per_node in elastic mode: each group is its own job, laid out by its own "
                           "launcher")

@@ -25,9 +25,10 @@ class HealAcrossSizes:
     """What one rank sends, takes and copies when a group heals across sizes."""
 
     def __init__(self, state: HealingState, plan: AtomPlan, rank: int, atoms: QuorumAtoms,
-                 bucket_bytes: int = 32 << 20) -> None:
+                 bucket_bytes: int = 32 << 20, replica_group=None) -> None:
+        """`replica_group`: this rank's HSDP replicas (None: FSDP inside the group)."""
         self.state, self.plan, self.rank, self.atoms = state, plan, rank, atoms
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.replica_group = bucket_bytes, replica_group
         self.pending: Optional[dict] = None  # what torchft brought this group's first rank at its heal
 
     # --- through torchft, first rank to first rank --------------------------------------------
@@ -68,7 +69,7 @@ class HealAcrossSizes:
         engine_streams, _ = _engine_split(_carried(s.engine.state_tensors()), len(self.plan.numels))
         streams += [engine_streams[key] for key in sorted(engine_streams)]
         sent = copy_across_groups_(self.plan, self.rank, self.atoms.communicators, streams, source, healing, live,
-                                   self.bucket_bytes)
+                                   self.bucket_bytes, self.replica_group)
         if group in healing:
             s.backend.refresh_after_sync()
         return sent

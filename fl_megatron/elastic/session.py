@@ -72,7 +72,7 @@ class ElasticSession:
         cfg, groups = self.run.cfg, self.groups
         atoms = groups.quorum_atoms
         heal = HealAcrossSizes(self.healing, atoms.plan, groups.rank, atoms,
-                               int(cfg.federation.bucket_mb * (1 << 20)))
+                               int(cfg.federation.bucket_mb * (1 << 20)), groups.replica)
         tier, watch = join_tier(cfg.federation, self.env.job_rank, self.env.job_world_size, groups.device_type,
                                 self._timeout, heal.source, heal.receive, lambda: self.healing.step, signature,
                                 self.say, cfg.training.run_dir, self._position, leader_only=True)
@@ -189,10 +189,11 @@ class ElasticSession:
         if isinstance(self.groups, ElasticUnequalGroups):  # shards cut differently: compare the models instead
             plan, rank = self.groups.quorum_atoms.plan, self.groups.rank
             ranges = [plan.shard_range(rank, t) for t in range(len(plan.numels))]
-            out["model_fingerprint"] = group_fingerprint(self.backend.atom_shards(), ranges, group)
+            first = self.groups.coords[1] == 0  # HSDP: one replica of each shard counts
+            out["model_fingerprint"] = group_fingerprint(self.backend.atom_shards(), ranges, group, first)
             moments = self.backend.atom_optimizer_state()[0]  # (a healed group's are its source's)
             out["optimizer_fingerprint"] = group_fingerprint([t for stream in moments for t in stream],
-                                                             ranges * len(moments), group)
+                                                             ranges * len(moments), group, first)
         return out
 
     def healed_step(self, sync: Optional[SyncResult]) -> Optional[int]:

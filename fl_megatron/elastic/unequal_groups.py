@@ -65,4 +65,4 @@ def build_elastic_unequal_groups(whole: GroupLayout, rank: int, device_type: str
                                        async_checkpoint=async_checkpoint)
     return ElasticUnequalGroups(layout=whole.seen_from(rank), rank=rank, mesh=own.mesh, shard_mesh=own.shard_mesh,
                                 federation=own.federation, checkpoint=own.checkpoint, whole=whole,
-                                replica_group=None, timeout=timeout)
+                                replica_group=own.replica if local.is_hsdp else None, timeout=timeout)

@@ -104,6 +104,43 @@ def pieces_by_tuple(plan: AtomPlan, rank: int, windows: Optional[List[Tuple[int,
     return by_tuple
 
 
+def replica_slice_buckets(plan: AtomPlan, rank: int, windows: Optional[List[Tuple[int, int]]],
+                          bucket_elements: int) -> List[List[List[Piece]]]:
+    """Per replica of `rank`'s shard (HSDP), the buckets of the pieces of the shard that replica
+    owns in the plan (averages, or receives in a heal); empty without replicas."""
+    f, _, s = plan.shard_of(rank)
+    if plan.groups[f].replicas == 1:
+        return []
+    windows = windows or tensor_windows(plan, None)
+    spans = [_clip(plan.shard_range(rank, t), w) for t, w in enumerate(windows)]
+    out = []
+    for replica in range(plan.groups[f].replicas):
+        owner, pieces = plan.groups[f].rank(replica, s), []
+        for t in range(len(plan.numels)):
+            for a, b, who in plan.replica_runs(rank, t):
+                lo, hi = _clip((a, b), windows[t])
+                if who == owner and lo < hi:
+                    pieces.append(Piece(t, lo - spans[t][0], hi - lo))
+        out.append(buckets(pieces, bucket_elements))
+    return out
+
+
+def share_replica_slices_(flats: List[torch.Tensor], slices: List[List[List[Piece]]], replica: int,
+                          replica_group) -> List[int]:
+    """Each replica broadcasts the slices it owns to the other replicas of its shard (collective
+    over the replica group, in replica order); returns the bytes of each bucket this rank sent."""
+    sent = []
+    for source, owned in enumerate(slices):
+        for bucket in owned:
+            buffer = pack(bucket, flats)
+            dist.broadcast(buffer, group_src=source, group=replica_group)
+            if source != replica:
+                unpack(buffer, bucket, flats)
+            else:
+                sent.append(buffer.numel() * buffer.element_size())
+    return sent
+
+
 def buckets(pieces: List[Piece], bucket_elements: int) -> List[List[Piece]]:
     """Consecutive pieces packed up to `bucket_elements` (a longer piece is cut into several)."""
     out, current, size = [], [], 0
@@ -197,20 +234,7 @@ class AtomAverager:
         averaged = sum(p.length for _, buckets in self.rounds for bucket in buckets for p in bucket)
         self.stride = max(1, math.ceil(averaged / max_samples))
         # per replica of this rank's shard: the buckets of the slices it averaged, cut once
-        self.replica_slices = [buckets(self._slices_of(r), self.bucket_elements)
-                               for r in range(self.replicas)] if self.replicas > 1 else []
-
-    def _slices_of(self, replica: int) -> List[Piece]:
-        """The pieces of this rank's shard that replica `replica` of it averages."""
-        f, _, s = self.plan.shard_of(self.rank)
-        owner = self.plan.groups[f].rank(replica, s)
-        pieces = []
-        for t in range(len(self.plan.numels)):
-            for a, b, who in self.plan.replica_runs(self.rank, t):
-                lo, hi = _clip((a, b), self.windows[t])
-                if who == owner and lo < hi:
-                    pieces.append(Piece(t, lo - self.spans[t][0], hi - lo))
-        return pieces
+        self.replica_slices = replica_slice_buckets(plan, rank, self.windows, self.bucket_elements)
 
     @torch.no_grad()
     def average(self, shards: List[torch.Tensor], include: bool = True, contributors: Optional[int] = None,
@@ -271,14 +295,9 @@ class AtomAverager:
         while in_flight:
             self._land(in_flight.pop(0), flats, stats, sums, call)
         stats.sq_dev_sum, stats.sq_mean_sum = sums.tolist()
-        for replica, slices in enumerate(self.replica_slices):
-            for bucket in slices:
-                buffer = pack(bucket, flats)
-                dist.broadcast(buffer, group_src=replica, group=self.replica_group)
-                if replica != self.replica_index:
-                    unpack(buffer, bucket, flats)
-                else:
-                    self._count(stats, buffer.numel() * 4, "intra-group", self.replica_tier)
+        shared = share_replica_slices_(flats, self.replica_slices, self.replica_index, self.replica_group)
+        for nbytes in shared:
+            self._count(stats, nbytes, "intra-group", self.replica_tier)
         return stats
 
     def _land(self, item: "_Flight", flats: List[torch.Tensor], stats: SyncStats, sums: torch.Tensor, call) -> None:

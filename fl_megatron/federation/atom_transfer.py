@@ -5,7 +5,8 @@ optimizer's moments, the outer anchors and momenta) goes, for each atom, from it
 source group to its owner in each receiving group, over the atom's communicator: point to point,
 packed per bucket, in the plan's sorted order of tuples on every rank (as the averages run: no
 two ranks wait on each other's later tuple). Each rank sends or receives only its own elements;
-nothing is gathered. Ranks of groups that neither send nor receive take no part. Groups of the
+nothing is gathered. Ranks of groups that neither send nor receive take no part; in a receiving group with HSDP
+replicas, each replica passes the atoms it received to the others of its shard. Groups of the
 same size get exactly their counterpart's shards, as torchft's rank-to-rank heal gives them.
 """
 
@@ -15,27 +16,29 @@ import torch
 import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
-from .atom_average import buckets, pack, pieces_by_tuple, unpack
+from .atom_average import buckets, pack, pieces_by_tuple, replica_slice_buckets, share_replica_slices_, unpack
 
 
 @torch.no_grad()
 def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]],
                         streams: Sequence[List[torch.Tensor]], source: int, receivers: Sequence[int],
-                        live: Sequence[int], bucket_bytes: int = 32 << 20) -> int:
+                        live: Sequence[int], bucket_bytes: int = 32 << 20, replica_group=None) -> int:
     """Make each receiving group's `streams` equal the `source` group's, in place (collective over
     the live groups' ranks, every one calling it with the same arguments but its own `streams`).
     A stream is one state of every tensor of the plan (e.g. the first Adam moments): this rank's
     flat shard of tensor t at index t, of its shard's length. `live`: the quorum's groups (in the
-    order of `communicators`' members). Returns the bytes this rank sent."""
+    order of `communicators`' members). `replica_group`: this rank's HSDP replicas, where a
+    receiving group has them (each atom reaches one replica of its shard, which passes it on, as
+    the average does). Returns the bytes this rank sent across groups."""
     live = sorted(live)
     group = plan.group_of(rank)
     if source not in live or any(f not in live for f in receivers) or source in receivers:
         raise ValueError(f"a copy from group {source} to {sorted(receivers)} among the live groups {live}")
     if group != source and group not in receivers:
         return 0
-    if plan.groups[group].replicas > 1:
-        raise ValueError("a heal across group sizes copies each atom to its owner only; an HSDP group's other "
-                         "replicas would miss it")
+    _, replica, _ = plan.shard_of(rank)
+    if group in receivers and plan.groups[group].replicas > 1 and replica_group is None:
+        raise ValueError(f"rank {rank}'s group has {plan.groups[group].replicas} replicas: the replica group is needed")
     lengths = [hi - lo for lo, hi in (plan.shard_range(rank, t) for t in range(len(plan.numels)))]
     for i, stream in enumerate(streams):
         if [s.numel() for s in stream] != lengths:
@@ -61,4 +64,9 @@ def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int
                     dist.recv(received, group_src=members.index(owners[source]), group=pg)
                     buffer.copy_(received)
                     unpack(buffer, bucket, flats)
+    if group in receivers and plan.groups[group].replicas > 1:  # each replica's atoms to the others
+        for stream in streams:
+            per_bucket = max(1, bucket_bytes // stream[0].element_size()) if stream else 1
+            share_replica_slices_([s.view(-1) for s in stream], replica_slice_buckets(plan, rank, None, per_bucket),
+                                  replica, replica_group)
     return sent

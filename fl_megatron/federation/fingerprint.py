@@ -45,11 +45,13 @@ def shard_fingerprints(shards: Sequence[torch.Tensor], starts: Sequence[int], ch
     return out
 
 
-def group_fingerprint(shards: Sequence[torch.Tensor], ranges: Sequence[Tuple[int, int]], group) -> str:
+def group_fingerprint(shards: Sequence[torch.Tensor], ranges: Sequence[Tuple[int, int]], group,
+                      counts: bool = True) -> str:
     """The fingerprint of the model this group holds (collective over `group`): every tensor's
-    rank sums added over the group, all tensors folded into one 16-hex-digit string."""
-    mine = torch.tensor(shard_fingerprints(shards, [lo for lo, _ in ranges]), dtype=torch.int64,
-                        device=shards[0].device if shards else "cpu")
+    rank sums added over the group, all tensors folded into one 16-hex-digit string. `counts`:
+    False on HSDP replicas other than the first (their shards are already counted)."""
+    sums = shard_fingerprints(shards, [lo for lo, _ in ranges]) if counts else [0] * len(shards)
+    mine = torch.tensor(sums, dtype=torch.int64, device=shards[0].device if shards else "cpu")
     dist.all_reduce(mine, group=group)
     folded = _mix(mine * torch.arange(1, mine.numel() + 1, dtype=torch.int64, device=mine.device)).sum()
     return f"{int(folded) & ((1 << 64) - 1):016x}"
