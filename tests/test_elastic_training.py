@@ -461,46 +461,53 @@ def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_on
 
 @pytest.mark.parametrize("inner", [pytest.param((), id="fsdp"),
                                    pytest.param(("--fl-hsdp-shard-sizes", "1,1"), id="hsdp", marks=HEAVY)])
-def test_groups_of_2_and_1_ranks_heal_across_sizes_and_end_identical(tmp_path, inner):
-    """Groups of unequal size in elastic mode (one torchft manager per group, atoms per quorum):
-    rank 1 of the 2-rank group is killed between syncs; the 1-rank group goes on alone; the 2-rank
-    group restarts and heals from it (shards, moments, anchors and momentum re-cut atom by atom,
-    no checkpoint) and from then on both hold the same model after every sync (nesterov, int8 +
-    error feedback). Before the kill they train exactly as the one-world run of groups 2 + 1. With
-    HSDP (2 replicas of 1 shard) each replica receives half of the atoms and passes them on."""
+def test_groups_of_2_and_1_ranks_with_their_own_step_counts_heal_across_sizes(tmp_path, inner):
+    """Groups of unequal size and speed in elastic mode: one torchft manager per group, atoms per
+    quorum, each round 4 steps of the 2-rank group and 2 of the 1-rank group (--fl-group-intervals;
+    a round is 10/3 federation steps: 4 x 256 + 2 x 128 tokens over 384). Rank 1 of the 2-rank group
+    is killed in its step 6; the 1-rank group syncs alone; the 2-rank group restarts and heals from
+    it: shards, moments, anchors and momentum re-cut atom by atom, the rounds and its own step
+    count from them (no checkpoint). From then on both hold the same model after every sync
+    (nesterov, int8 + error feedback) at the same learning rate. Before the kill both train
+    exactly as the one-world run of the same groups. With HSDP (2 replicas of 1 shard) each
+    replica receives half of the atoms and passes them on."""
     steps, run = 16, tmp_path / "run"
-    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback", *inner)
-    # global rank 1 = rank 1 of group 0, killed in step 6; group 1 pauses before step 9 so that the
-    # restarted group heals at step 12
-    _, shown = _elastic(run, steps, min_groups=1, fault="kill:forward-backward:6:1,delay:1:9:25", max_restarts=1,
+    extra = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback",
+             "--fl-group-intervals", "4,2", *inner)
+    # global rank 1 = rank 1 of group 0, killed in its step 6 (round 2); group 1 pauses before its
+    # step 5 (round 3), so that the restarted group heals at round 3's sync (federation step 10)
+    _, shown = _elastic(run, steps, min_groups=1, fault="kill:forward-backward:6:1,delay:1:5:25", max_restarts=1,
                         extra=extra, groups=2, ranks="2,1")
     summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(2)]
     assert summaries[1]["first_step"] == 1 and summaries[1]["elastic"]["healed_at_step"] is None
+    # healed at its own step 12 (3 rounds of 4), going on from step 13
     assert summaries[0]["elastic"]["healed_at_step"] == 12 and summaries[0]["first_step"] == 13
+    assert summaries[0]["group_steps"] == summaries[1]["group_steps"] == [20, 10]
     syncs = [_syncs(run, g) for g in range(2)]
-    assert syncs[1][8]["groups"] == [1] and syncs[1][12]["healed_groups"] == [0] == syncs[0][12]["healed_groups"]
-    for step in (4, 12, 16):  # together: the same model, though cut in 2 and in 1
+    assert syncs[1][6]["groups"] == [1] and syncs[1][10]["healed_groups"] == [0] == syncs[0][10]["healed_groups"]
+    for step in (3, 10, 13, 16):  # together: the same model, though cut in 2 and in 1
         fingerprints = [syncs[g][step]["model_fingerprint"] for g in range(2)]
         assert fingerprints[0] == fingerprints[1], (step, fingerprints)
-    assert len({syncs[1][s]["model_fingerprint"] for s in (4, 8, 12, 16)}) == 4
+    assert len({syncs[1][s]["model_fingerprint"] for s in (3, 6, 10, 13, 16)}) == 5
     # the healed group's inner moments are the ones the 1-rank group sent (re-cut into 2 shards)
-    assert syncs[0][12]["optimizer_fingerprint"] == syncs[1][12]["optimizer_fingerprint"]
+    assert syncs[0][10]["optimizer_fingerprint"] == syncs[1][10]["optimizer_fingerprint"]
     assert syncs[0][16]["optimizer_fingerprint"] != syncs[1][16]["optimizer_fingerprint"]  # each trains its own
-    # the 2-rank group's samples while down (steps 5-12), counted alike by both groups
-    assert [summaries[g]["elastic"]["skipped_samples"] for g in range(2)] == [(12 - 4) * 2 * 2] * 2
-    for line in ("[group 1] step 8: group(s) 0 left the federation (live: 1)",
+    # the 2-rank group's samples while down, in federation steps 3 to 10, counted alike by both
+    assert [summaries[g]["elastic"]["skipped_samples"] for g in range(2)] == [(10 - 3) * 2 * 2] * 2
+    own = [{r["step"]: r for r in _records(_group_dir(run, g) / "groups" / f"group_{g:05d}.jsonl")} for g in range(2)]
+    assert own[0][13]["lr"] == own[1][7]["lr"]  # both start round 4 at the federation's position
+    for line in ("[group 1] step 6: group(s) 0 left the federation (live: 1)",
                  "[group 0] healed from the live groups at step 12",
-                 "[group 1] step 12: group(s) 0 healed from the live group(s) 1"):
+                 "[group 1] step 10: group(s) 0 healed from the live group(s) 1"):
         assert line in shown, (line, shown[-3000:])
-    # before the kill, exactly the one-world run of the same layout (per-step losses of each group)
+    # before the kill, exactly the one-world run of the same groups (stopped at the sync after step 8)
     one_world = tmp_path / "one_world"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                     "-m", "fl_megatron.pretrain", *COMMON, *extra, "--train-iters", str(steps), "--exit-interval", "8",
                     "--save", str(one_world / "ckpt"), "--fl-group-sizes", "2,1", "--ranks-per-node", "3",
                     "--run-dir", str(one_world)],
                    env=_env(), check=True, capture_output=True, timeout=300)
-    for g, last in ((0, 5), (1, 8)):
-        mine = {r["step"]: r["loss"] for r in _records(_group_dir(run, g) / "groups" / f"group_{g:05d}.jsonl")}
+    for g, last in ((0, 5), (1, 4)):
         ref = {r["step"]: r["loss"] for r in _records(one_world / "groups" / f"group_{g:05d}.jsonl")}
         for step in range(1, last + 1):
-            assert abs(mine[step] - ref[step]) <= 1e-6, (g, step, mine[step], ref[step])
+            assert abs(own[g][step]["loss"] - ref[step]) <= 1e-6, (g, step, own[g][step]["loss"], ref[step])

@@ -432,8 +432,6 @@ class FederationConfig:
         if pinned and self.balance_steps:
             errors.append("group_intervals pins each group's steps and balance_steps plans them: give one of them")
         for wrong, why in ((not self.syncing, "the groups must sync (sync_interval > 0, syncing enabled)"),
-                           (self.elastic, "elastic mode: each group's job would need the others' plan at its "
-                                          "restart and heal"),
                            (self.overlap_steps > 0, f"overlap_steps={self.overlap_steps}: an overlapped sync "
                                                     "lands a fixed number of steps later, which differs per group"),
                            (self.fragments > 1, f"fragments={self.fragments}: the fragments' turns are counted in "

@@ -38,9 +38,8 @@ class HealAcrossSizes:
         s = self.state
         streams, rest = s.backend.atom_optimizer_state()
         engine_streams, engine_scalars = _engine_split(_carried(s.engine.state_tensors()), len(self.plan.numels))
-        return {"step": s.step, "last_sync": s.last_sync, "skipped_samples": s.skipped_samples,
-                "at_start": s.at_start, "committed_syncs": s.engine.committed_syncs, "mode": s.engine.mode.fields(),
-                "optimizer": bool(streams), "optimizer_rest": [t.detach().to("cpu", copy=True) for t, _ in rest],
+        return {**s.position(), "mode": s.engine.mode.fields(), "optimizer": bool(streams),
+                "optimizer_rest": [t.detach().to("cpu", copy=True) for t, _ in rest],
                 "engine_streams": sorted(engine_streams),
                 "engine_scalars": {k: v.detach().to("cpu", copy=True) for k, v in engine_scalars.items()}}
 
@@ -101,10 +100,7 @@ class HealAcrossSizes:
             device = anchors[0].device if anchors else "cpu"
             s.engine.load_state_tensors({**shaped, **{k: v.to(device) for k, v in taken["engine_scalars"].items()}})
         s.engine.forget_residuals()
-        s.engine.committed_syncs = taken["committed_syncs"]
-        s.step, s.last_sync = taken["step"], taken["last_sync"]
-        s.skipped_samples, s.healed_at = taken["skipped_samples"], taken["step"]
-        s.source_at_start = taken["at_start"]
+        s.take_position(taken)
         return taken["at_start"]
 
 

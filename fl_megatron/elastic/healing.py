@@ -40,6 +40,28 @@ class HealingState:
     backend: object = None
     engine: object = None
     tuner: object = None  # --fl-tune's SyncTuner, or None
+    rounds: object = None  # per-group step counts: this group's GroupRounds, or None
+
+    def position(self) -> dict:
+        """Where the sender stands: what every rank of a healing group takes (`take_position`)."""
+        return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
+                "at_start": self.at_start, "committed_syncs": self.engine.committed_syncs,
+                "rounds": self.rounds.clock.state() if self.rounds is not None else None}
+
+    def take_position(self, state: dict) -> None:
+        """A sender's `position`. With per-group step counts the rounds travel and this group's own
+        step is its share of them: at a sync, its steps up to the end of the round the sync ends
+        (the next `advance` starts the next one); at start-up, up to the round's start."""
+        self.engine.committed_syncs = state["committed_syncs"]
+        self.step, self.last_sync = state["step"], state["last_sync"]
+        if self.rounds is not None:
+            if state["rounds"] is None:
+                raise ValueError("the live groups plan no per-group step counts, this group does")
+            self.rounds.clock.restore(state["rounds"])
+            self.rounds.in_round = 0 if state["at_start"] else self.rounds.steps
+            self.step = self.rounds.own_steps
+        self.skipped_samples, self.healed_at = state["skipped_samples"], self.step
+        self.source_at_start = state["at_start"]
 
     def source(self) -> dict:
         """This rank's state for rank k of a healing group. torchft calls it on its quorum thread
@@ -49,9 +71,7 @@ class HealingState:
         travel only at start-up (no sync follows); error-feedback residuals never do (the healed
         group starts its own at zero)."""
         engine = {k: v for k, v in self.engine.state_tensors().items() if not is_residual(k)}
-        return {"step": self.step, "last_sync": self.last_sync, "skipped_samples": self.skipped_samples,
-                "at_start": self.at_start, "committed_syncs": self.engine.committed_syncs,
-                "shards": self.backend.local_shards() if self.at_start else None,
+        return {**self.position(), "shards": self.backend.local_shards() if self.at_start else None,
                 "optimizer": self.backend.optimizer_transfer_state(),
                 "mode": self.engine.mode.fields(), "tune": self.tuner.state() if self.tuner is not None else None,
                 "engine": engine}
@@ -75,11 +95,8 @@ class HealingState:
         if self.tuner is not None and state.get("tune") is not None:
             self.tuner.load_state(state["tune"])
         self.engine.forget_residuals()  # the sender keeps carrying its own compression error
-        self.engine.committed_syncs = state["committed_syncs"]
         self.backend.refresh_after_sync()
-        self.step, self.last_sync = state["step"], state["last_sync"]
-        self.skipped_samples, self.healed_at = state["skipped_samples"], state["step"]
-        self.source_at_start = state["at_start"]
+        self.take_position(state)
 
 
 def is_residual(name: str) -> bool:
@@ -96,12 +113,15 @@ class MembershipLog:
     num_groups: int
     samples_per_rank_step: int
     group_sizes: tuple  # each group's ranks
+    federation_steps: bool = False  # per-group step counts: skipped samples counted in federation steps
     live: Optional[tuple] = None
     counts: dict = field(default_factory=lambda: {"left": 0, "joined": 0, "healed": 0, "failed_syncs": 0})
 
     def after_sync(self, sync: SyncResult, state: HealingState) -> tuple[dict, list[str]]:
         """(fields for the sync's records, console lines) of one sync; updates `state`'s counts."""
-        m, step = sync.membership, state.step  # a group that healed at this sync is at the live groups' step
+        # a group that healed at this sync is at the live groups' step; with per-group step counts
+        # the groups' own steps differ, and the sync's federation step is the one they share
+        m, step = sync.membership, sync.step if self.federation_steps else state.step
         if not sync.committed:
             self.counts["failed_syncs"] += 1
             return {"sync_committed": False, "groups": list(m.groups)}, [

@@ -83,8 +83,11 @@ class ElasticSession:
                                     dist.distributed_c10d._get_default_store(), wait, watch)
 
     def _position(self) -> int:
-        """torchft's step for this group: its training step, then the syncs it kept."""
-        return torchft_step(self.healing.step, self.engine.committed_syncs)
+        """torchft's step for this group: its training step, then the syncs it kept. With per-group
+        step counts the federation step of its round (its own steps differ from the others')."""
+        rounds = self.healing.rounds
+        step = rounds.clock.sync_step() if rounds is not None else self.healing.step
+        return torchft_step(step, self.engine.committed_syncs)
 
     def link_probe_scope(self) -> Optional[str]:
         """With --fl-tune, the group's own links ("group"): the groups meet only at syncs, so the
@@ -92,19 +95,23 @@ class ElasticSession:
         fed = self.run.cfg.federation
         return "group" if fed.tune and fed.link_probe else None
 
-    def join(self, backend, engine, loaded: int, start_step: int, tuner=None) -> int:
+    def join(self, backend, engine, loaded: int, start_step: int, tuner=None, rounds=None) -> int:
         """Meet the live groups; returns the step to start from. At a fresh start every group is at
         step 0 and nothing moves; a restarted or new group waits for the live groups' next sync,
         heals there from them (shards, inner optimizer state, the engine's state, the step) and
         takes part in that sync as a receiver (kept in `joined_sync`). `loaded`: the step of the
-        checkpoint this group read (0: none); `tuner`: --fl-tune's, whose state a heal carries."""
+        checkpoint this group read (0: none); `tuner`: --fl-tune's, whose state a heal carries;
+        `rounds`: per-group step counts (GroupRounds), which a heal carries too."""
         self.backend, self.engine = backend, engine
         self.healing.backend, self.healing.engine, self.healing.tuner = backend, engine, tuner
-        self.healing.step = self.healing.last_sync = start_step
+        self.healing.rounds = rounds
+        self.healing.step = start_step
+        self.healing.last_sync = rounds.federation_step if rounds is not None else start_step
         layout, group = self.run.layout, self.groups.coords[0]
         t = self.run.cfg.training
         sizes = layout.group_sizes if isinstance(layout, GroupLayout) else (layout.group_size,) * layout.num_groups
-        self.members = MembershipLog(group, layout.num_groups, t.micro_batch_size * self.run.accumulation, sizes)
+        self.members = MembershipLog(group, layout.num_groups, t.micro_batch_size * self.run.accumulation, sizes,
+                                     federation_steps=rounds is not None)
         fed = self.run.cfg.federation
         self._join_tier()
         self._wait_for_every_slot(backend, group)
@@ -130,9 +137,12 @@ class ElasticSession:
         self.say(f"  group {group}: healed from the live groups at step {start_step} in "
                  f"{membership.seconds:.2f} s ({read} read)"
                  + (f"; syncing in their mode: {engine.mode.label()}" if fed.tune else ""))
-        sync = engine.sync(start_step, GroupFigures(healing=True), full=True, membership=membership)
+        at = rounds.clock.sync_step() if rounds is not None else start_step  # the sync's federation step
+        sync = engine.sync(at, GroupFigures(healing=True), full=True, membership=membership)
         if not sync.committed:
-            raise RuntimeError(f"group {group}: the sync it healed at (step {start_step}) was voted down; restarting")
+            raise RuntimeError(f"group {group}: the sync it healed at (step {at}) was voted down; restarting")
+        if rounds is not None:  # the next round, planned as the live groups plan it from this vote
+            rounds.advance(engine.vote.step_seconds)
         self.joined_sync = sync
         return start_step
 

@@ -87,11 +87,14 @@ def build_run(run: ResolvedRun, env: LaunchEnv, samples=None) -> RunParts:
     if rounds is not None:
         checkpointer.rounds_state = rounds.clock.state
     start_step = checkpointer.resume(speak)
-    time.sleep(restart_delay_seconds(group))  # a test's slow start of a restarted group (FL_MEGATRON_FAULT)
-    start_step = session.join(backend, engine, checkpointer.loaded, start_step, tuning.tuner)
-    files.open_metrics(start_step)
     if rounds is not None and checkpointer.loaded:  # go on where the rounds stood, at this group's own step
         rounds.resume(checkpointer.resumed_rounds, checkpointer.loaded)
+        start_step = rounds.own_steps
+    time.sleep(restart_delay_seconds(group))  # a test's slow start of a restarted group (FL_MEGATRON_FAULT)
+    start_step = session.join(backend, engine, checkpointer.loaded, start_step, tuning.tuner, rounds)
+    # the federation's records go by its steps; a group's own by its own (they differ with per-group counts)
+    files.open_metrics(rounds.federation_step if rounds is not None else start_step)
+    if rounds is not None:  # (a heal may have moved the rounds on)
         start_step = rounds.own_steps
     group_writer = run.layout.is_federated and groups.coords[1:] == (0, 0)  # each group's first rank
     if group_writer:

@@ -44,6 +44,12 @@ class GroupRounds:
             self.clock.restore_equal(iteration)
 
     @property
+    def federation_step(self) -> int:
+        """The federation step of the last sync (0 before the first): the rounds' tokens so far
+        over one step of every group."""
+        return self.clock.round.start_tokens // self.clock.step_tokens
+
+    @property
     def running(self) -> bool:
         return not self.clock.finished
 

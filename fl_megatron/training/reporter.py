@@ -42,7 +42,7 @@ class Reporter:
         joined = self.session.joined_sync
         if joined is not None:  # the sync this group healed at, before its first step
             self.session.after_sync(joined)
-            self.log({"step": start_step, "elapsed_s": 0.0, "sync_seconds": joined.seconds,
+            self.log({"step": joined.step, "elapsed_s": 0.0, "sync_seconds": joined.seconds,
                       **self.session.record_fields(joined)})
 
     def log(self, record: dict) -> None:

@@ -45,7 +45,7 @@ class OneWorldSession:
         probes = layout.is_federated and fed.syncing and fed.link_probe and not isinstance(layout, GroupLayout)
         return "job" if probes else None
 
-    def join(self, backend, engine, loaded: int, start_step: int, tuner=None) -> int:
+    def join(self, backend, engine, loaded: int, start_step: int, tuner=None, rounds=None) -> int:
         """Every group starts together: the step to start from is the one resumed."""
         return start_step
 

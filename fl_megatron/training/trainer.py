@@ -208,7 +208,13 @@ class Trainer:
         stopped, last, too_few, evals = None, None, None, []
         running = (lambda: self.rounds.running) if self.rounds else (lambda: step < t.train_iters)  # noqa: E731
         joined = self.session.joined_sync  # elastic: the sync this group healed at, before its first step
-        if joined is not None and step < t.train_iters:  # a stop agreed there holds for it too
+        if joined is not None and self.rounds:  # per-group step counts: as at any sync, by its federation step
+            healed_at = StepOutcome(None, None, learning_rate(self.rounds.position(), t), joined, None)
+            stopped = self._stop_reason(stop, step, healed_at)
+            if stopped:
+                say(f"  stopping at step {step}, where it healed ({stopped})", self.is_writer)
+                self._save_if_due(step, stopped, healed_at)
+        elif joined is not None and step < t.train_iters:  # a stop agreed there holds for it too
             stopped = stop.reason(step, self._agreed_stop(step, None, joined))
             if stopped:
                 say(f"  stopping at step {step}, where it healed ({stopped})", self.is_writer)
