@@ -403,15 +403,12 @@ class FederationConfig:
             if len(values) != len(sizes):
                 errors.append(f"{name} has {len(values)} values for {len(sizes)} groups: give one per group")
         if self.elastic:
-            errors += self._elastic_unequal_errors(nodes)
+            errors += self._elastic_unequal_errors()
         return errors
 
-    def _elastic_unequal_errors(self, nodes: list[int]) -> list[str]:
+    def _elastic_unequal_errors(self) -> list[str]:
         """What elastic groups of unequal size refuse yet, with the reason (docs/heterogeneous.md)."""
         errors = []
-        if nodes:
-            errors.append("group_ranks_per_node in elastic mode: each group is its own job, laid out by its own "
-                          "launcher")
         for name, value, why in (("fragments", self.fragments > 1, "fragment syncs"),
                                  ("overlap_steps", self.overlap_steps > 0, "overlapped syncs")):
             if value:

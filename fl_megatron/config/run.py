@@ -58,8 +58,8 @@ class RunConfig:
         unequal = self.federation.unequal_sizes
         if unequal is not None:
             sizes, shards, nodes = unequal
-            if self.federation.elastic:  # each group is its own job, on nodes of its own
-                nodes = list(sizes)
+            if self.federation.elastic and not nodes:  # each group its own job: this job's node size for all
+                nodes = [min(ranks_per_node or size, size) for size in sizes]
             if sum(sizes) != world_size:
                 raise ValueError(f"group_sizes={self.federation.group_sizes!r} holds {sum(sizes)} ranks but the job "
                                  f"has {world_size}")
