@@ -132,3 +132,16 @@ def test_a_damaged_group_list_in_checkpoint_metadata_is_named():
         damaged = {**meta, "layout": {**meta["layout"], key: value}}
         assert metadata_problems(damaged) == [f"layout.{key} is {value!r}, not a positive integer for each of "
                                               "the 2 groups"]
+
+
+def test_the_dry_run_counts_a_compressed_sync_in_its_own_bytes(capsys):
+    """int8 on the wire: each element is a byte plus its block's share of a 4-byte scale, so the
+    MiB per rank are the elements x (1 + 4 / 256), not fp32's 4 bytes."""
+    argv = ["--model", "llama3.1-8b", "--world-size", "512", "--ranks-per-node", "8", "--fl-group-sizes", "384,128",
+            "--fl-hsdp-shard-sizes", "8,16", "--fl-sync-dtype", "int8", "--fl-error-feedback", "--fl-fragments", "2",
+            "--fl-sync-interval", "8", "--dry-run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "int8 on the wire, atom by atom" in out and "each sync moves one of its 2 fragments" in out
+    mib = 62_736_416 * (1 + 4 / 256) / 2 ** 20
+    assert f"group 1: 128 ranks (HSDP 8 x 16), up to 62,736,416 elements ({mib:,.1f} MiB)" in out, out

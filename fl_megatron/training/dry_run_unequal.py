@@ -7,7 +7,7 @@ import time
 from ..atom_plan import plan_for_shapes
 from ..config import ResolvedRun
 from ..cost_model.workload import gradient_bytes
-from ..costs import format_bytes, step_comm, working_bytes
+from ..costs import format_bytes, step_comm, wire_bytes_per_element, working_bytes
 from ..federation.vote import GROUP_SLOTS
 from ..group_layout import GroupLayout
 from ..models import build_model
@@ -57,9 +57,10 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
     busiest = max(costs, key=lambda c: c.max_elements)
     least = min(costs, key=lambda c: c.max_elements)
     when = "each round" if fed.per_group_steps else f"every {fed.sync_interval} steps"
-    lines += [f"  per federation sync ({when}; fp32, atom by atom: each rank averages "
-              "the elements it holds with the ranks holding them in the other groups):",
-              *("    " + c.line(4) for c in costs),
+    share = f"; each sync moves one of its {fed.fragments} fragments" if fed.fragments > 1 else ""
+    lines += [f"  per federation sync ({when}; {fed.sync_dtype} on the wire, atom by atom: each rank averages "
+              f"the elements it holds with the ranks holding them in the other groups{share}):",
+              *("    " + c.line(wire_bytes_per_element(fed.sync_dtype)) for c in costs),
               f"    {len(plan.owner_tuples()):,} communicators across groups (owner tuples), planned in "
               f"{seconds:.2f} s; a sync lasts as long as its busiest rank's exchange: group {busiest.group}'s ranks "
               f"carry {busiest.max_elements / max(1, least.max_elements):.1f}x the elements of group "
