@@ -16,6 +16,7 @@ import torch
 
 from ..atom_plan import AtomPlan
 from ..federation.atom_transfer import copy_across_groups_
+from ..federation.failed_collective import PeerLatch, call_directly
 from ..federation.outer import OUTER_STATE_PREFIX
 from .healing import HealingState, is_residual
 from .quorum_atoms import QuorumAtoms
@@ -67,8 +68,12 @@ class HealAcrossSizes:
         streams += s.backend.atom_optimizer_state()[0]
         engine_streams, _ = _engine_split(_carried(s.engine.state_tensors()), len(self.plan.numels))
         streams += [engine_streams[key] for key in sorted(engine_streams)]
+        # a source goes on whatever happens to the healing group: a rank of it lost during the copy
+        # (it restarts and heals again) is remembered, the rest of the copy skipped; the next
+        # sync's vote then tells every live group (a receiver's own failure ends its job)
+        call = PeerLatch() if group == source else call_directly
         sent = copy_across_groups_(self.plan, self.rank, self.atoms.communicators, streams, source, healing, live,
-                                   self.bucket_bytes, self.replica_group)
+                                   self.bucket_bytes, self.replica_group, call)
         if group in healing:
             s.backend.refresh_after_sync()
         return sent

@@ -17,19 +17,23 @@ import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
 from .atom_average import buckets, pack, pieces_by_tuple, replica_slice_buckets, share_replica_slices_, unpack
+from .failed_collective import call_directly, has_failed
 
 
 @torch.no_grad()
 def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]],
                         streams: Sequence[List[torch.Tensor]], source: int, receivers: Sequence[int],
-                        live: Sequence[int], bucket_bytes: int = 32 << 20, replica_group=None) -> int:
+                        live: Sequence[int], bucket_bytes: int = 32 << 20, replica_group=None,
+                        call=call_directly) -> int:
     """Make each receiving group's `streams` equal the `source` group's, in place (collective over
     the live groups' ranks, every one calling it with the same arguments but its own `streams`).
     A stream is one state of every tensor of the plan (e.g. the first Adam moments): this rank's
     flat shard of tensor t at index t, of its shard's length. `live`: the quorum's groups (in the
     order of `communicators`' members). `replica_group`: this rank's HSDP replicas, where a
     receiving group has them (each atom reaches one replica of its shard, which passes it on, as
-    the average does). Returns the bytes this rank sent across groups."""
+    the average does). `call`: what every cross-group send and receive goes through (a
+    PeerLatch: a lost peer is remembered and the rest skipped). Returns the bytes this rank sent
+    across groups."""
     live = sorted(live)
     group = plan.group_of(rank)
     if source not in live or any(f not in live for f in receivers) or source in receivers:
@@ -57,11 +61,12 @@ def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int
                 buffer = pack(bucket, flats)
                 if group == source:
                     for target in targets:
-                        dist.send(buffer.contiguous(), group_dst=target, group=pg)
-                        sent += buffer.numel() * buffer.element_size()
+                        call(dist.send, buffer.contiguous(), group_dst=target, group=pg)
+                        if not has_failed(call):
+                            sent += buffer.numel() * buffer.element_size()
                 else:
                     received = torch.empty_like(buffer)
-                    dist.recv(received, group_src=members.index(owners[source]), group=pg)
+                    call(dist.recv, received, group_src=members.index(owners[source]), group=pg)
                     buffer.copy_(received)
                     unpack(buffer, bucket, flats)
     if group in receivers and plan.groups[group].replicas > 1:  # each replica's atoms to the others
