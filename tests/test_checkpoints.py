@@ -86,7 +86,8 @@ def test_deepspeed_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "deepspeed")
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
+# one fragment in `make test-heavy`: two fragments save and resume the same state, and between syncs
+@pytest.mark.parametrize("fragments", [pytest.param(1, marks=pytest.mark.heavy), 2])
 def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path, fragments):
     """The anchors, Nesterov momentum and int8 error-feedback residuals are saved per rank; with
     2 fragments the step-3 checkpoint falls between the syncs of fragment 0 (2) and 1 (4)."""
