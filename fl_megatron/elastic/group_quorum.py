@@ -42,17 +42,10 @@ class GroupQuorum:
         self.job, self.tier, self.atoms, self.heal, self.device = job, tier, atoms, heal, device
         self.store, self.wait, self.watch = store, wait, watch
         self.meetings = 0
-        self.membership: Optional[Membership] = None
-        self.healed_groups: tuple = ()
-        self.copied_bytes = 0
 
     @property
     def is_leader(self) -> bool:
         return self.tier is not None
-
-    @property
-    def has_quorum(self) -> bool:
-        return self.membership is not None
 
     @property
     def leaders(self) -> Optional[dist.ProcessGroup]:
@@ -81,8 +74,7 @@ class GroupQuorum:
         healing = tuple(told["healing"])
         if healing:
             source = min(g for g in membership.groups if g not in healing)
-            self.copied_bytes = self.heal.take_part(source, healing, membership.groups, told["taken"])
-        self.membership, self.healed_groups = membership, healing
+            self.heal.take_part(source, healing, membership.groups, told["taken"])
         if not self.is_leader:  # the group's wait, as the leader saw it, plus the copy
             membership = Membership(membership.quorum_id, membership.groups, membership.rank, membership.healed,
                                     time.perf_counter() - start + membership.seconds)

@@ -33,10 +33,6 @@ class ElasticUnequalGroups(ElasticMembership, UnequalGroups):
         """The quorum's group over the live groups' leaders, on this group's leader (None elsewhere)."""
         return self.quorum.leaders if self.quorum is not None else None
 
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == self.whole.groups[self.group].first_rank
-
     def tier(self, kind: str) -> str:
         """The atoms join separate jobs: 'inter-node'; inside the job as `UnequalGroups` says."""
         return "inter-node" if kind == "peer" else super().tier(kind)
