@@ -127,8 +127,8 @@ lint: $(VENV)/.test-extras
 	$(BIN)/ruff check .
 
 # The slow end-to-end variants make test leaves out (pytest -m heavy): elastic kills with int8 +
-# error feedback + nesterov, with FL+HSDP and on DeepSpeed, a peer lost mid-sync with FL+HSDP, a
-# group leaving and another joining, the elastic resume, a heal across group sizes with HSDP, the
+# error feedback + nesterov, with FL+HSDP and on DeepSpeed, a peer lost mid-sync (int8 + error
+# feedback + nesterov, and FL+HSDP), a peer that hangs in a sync, a group leaving and another joining, the elastic resume, a heal across group sizes with HSDP, the
 # exact resume of the outer and error-feedback state without fragments.
 test-heavy: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m heavy $(ARGS)

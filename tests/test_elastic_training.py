@@ -9,9 +9,11 @@ groups meeting only at syncs (tools/elastic_launch.py).
   int8 + error feedback + nesterov (all but fsdp2 in `make test-heavy`); the healed group's inner
   optimizer state is the one a live group sent.
 - A peer lost in the middle of a sync (Nesterov, int8 + error feedback): the survivors vote it
-  down, their sync state (anchors, momentum, residuals) as before it, and agree again at the next.
+  down, their sync state (anchors, momentum, residuals) as before it, and agree again at the next
+  (`make test-heavy`; make test kills a peer in the exchange of an overlapped fragment sync).
 - A peer that hangs in a sync (SIGSTOP: no collective raises) is timed out after
-  --fl-peer-timeout-seconds; the survivors vote the sync down and go on without restarting.
+  --fl-peer-timeout-seconds; the survivors vote the sync down and go on without restarting
+  (`make test-heavy`).
 - A split commit (one group votes a sync down, the others keep it) is repaired at the next meeting:
   the group behind heals from the others.
 - Every slow-link feature at once (nesterov, int8 + error feedback, 2 fragments, an overlapped sync,
@@ -193,7 +195,7 @@ def test_a_group_killed_between_syncs_heals_from_the_live_ones(tmp_path, extra):
 # replica 0's exchange succeeds; both still make the same replica gathers, then agree the sync failed
 @pytest.mark.parametrize("extra", [
     pytest.param(("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback"),
-                 id="fl-fsdp-int8-ef-nesterov"),
+                 id="fl-fsdp-int8-ef-nesterov", marks=HEAVY),
     pytest.param(("--fl-hsdp-shard-size", "1"), id="fl-hsdp", marks=HEAVY)])
 def test_a_peer_lost_in_the_middle_of_a_sync_leaves_the_survivors_consistent(tmp_path, extra):
     steps, run = 16, tmp_path / "run"
@@ -274,6 +276,7 @@ def test_a_peer_lost_in_an_overlapped_fragment_sync_spares_the_others_and_all_en
     assert [s["last_step"] for s in summaries] == [steps] * 3
 
 
+@HEAVY  # 90-97 s: the hung group ends only when its own collective timeout (45 s) ends its job
 def test_a_peer_that_hangs_in_a_sync_is_timed_out_and_the_survivors_go_on(tmp_path):
     """A peer that hangs with its connections open (SIGSTOP), so that no collective raises: the
     survivors' cross-group calls are bounded by --fl-peer-timeout-seconds (10 s here, far below

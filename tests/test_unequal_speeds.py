@@ -58,7 +58,11 @@ def test_balanced_steps_keep_a_slow_group_from_holding_up_the_fast_one(tmp_path)
     # the plan: one step each first, then 8 steps for the fast group and what fits for the slow one
     assert records[0]["group_tokens"] == [TOKENS_PER_STEP, TOKENS_PER_STEP]
     planned = [r["group_tokens"] for r in records[1:]]
-    assert all(t[0] == 8 * TOKENS_PER_STEP and 2 * TOKENS_PER_STEP <= t[1] <= 3 * TOKENS_PER_STEP for t in planned[:-1])
+    # the slow group is 0.25 s slower per step: 3.1x the fast one's 0.12 s on an idle machine, 2x
+    # when a loaded machine adds 0.13 s to both; in the fast group's 8 steps (or 9, where one more
+    # raises the rate) it fits 2 to 4 (a CI run failed the former bound of 3; the plan is now shown)
+    assert all(t[0] == 8 * TOKENS_PER_STEP and 2 * TOKENS_PER_STEP <= t[1] <= 4 * TOKENS_PER_STEP
+               for t in planned[:-1]), planned
     # every group's steps are its records', and the tokens the summary counts are the budget's
     assert summary["group_steps"] == [len(steps[0]), len(steps[1])]
     assert summary["tokens"] == TOKENS_PER_STEP * sum(summary["group_steps"]) >= 40 * 2 * TOKENS_PER_STEP
