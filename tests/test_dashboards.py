@@ -65,7 +65,12 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
     expect("comm/inter_group_bytes", "inter_group_bytes", steps)
     synced = [r for r in steps if r["synced"]]
     assert [r["step"] for r in synced] == [2, 4, 6]
-    expect("sync/param_variance", "param_variance", synced)
+    # a sync's variance is agreed in the next sync's vote (the last sync's at once): the record of
+    # step 4 carries step 2's, step 6's carries step 4's and its own
+    expect("sync/param_variance", "param_variance", [r for r in synced if "param_variance" in r])
+    assert [r["step"] for r in synced if "param_variance" in r] == [6]
+    expect("sync/prev_sync_param_variance", "prev_sync_param_variance", synced[1:])
+    assert [r["prev_sync_step"] for r in synced[1:]] == [2, 4] and "prev_sync_step" not in synced[0]
     expect("eval/loss", "eval_loss", evals)
     expect("eval/perplexity", "eval_perplexity", evals)
 

@@ -7,11 +7,12 @@ averaging test runs 2 real groups of 1 rank each, in two processes, against the 
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from fl_megatron.config import FederationConfig
-from fl_megatron.federation import FederationEngine
+from fl_megatron.federation import CollectiveCounter, FederationEngine
 from fl_megatron.federation.membership import whole_federation
 from fl_megatron.federation.transaction import OneWorldTransaction
 from fl_megatron.local_ranks import run_ranks
@@ -83,21 +84,38 @@ def _two_groups_sync(rank: int, world: int) -> list:
     backend = FakeBackend()
     backend.shards = [shard * (rank + 1) + 10 * rank for shard in backend.shards]
     engine = FederationEngine(backend, _groups(dist.group.WORLD, rank), FederationConfig(sync_interval=2))
-    first = engine.after_step(2)
+    calls = []
+    with CollectiveCounter(lambda name, ranks: calls.append(name)):
+        first = engine.after_step(2)
     after = [shard.tolist() for shard in backend.shards]  # plain lists: tensors do not outlive the process
     with torch.no_grad():  # the groups drift apart again before the next sync
         for shard in backend.shards:
             shard.add_(rank + 1)
-    engine.after_step(4, last=True)
-    return [first.step, after, [shard.tolist() for shard in backend.shards], backend.calls]
+    final = engine.after_step(4, last=True)
+    metrics = [(first.variance, first.carried), (final.variance, final.param_rms, final.carried)]
+    return [first.step, after, [shard.tolist() for shard in backend.shards], backend.calls, calls, metrics]
 
 
 def test_two_groups_end_each_sync_with_the_mean_of_their_shards():
     results = run_ranks(2, _two_groups_sync, timeout=120)
     base = FakeBackend().shards
     mean = [(shard + (2 * shard + 10)) / 2 for shard in base]  # groups 0 and 1 as _two_groups_sync makes them
-    for step, after, final, calls in results:
+    elements = sum(s.numel() for s in base)
+    for step, after, final, calls, collectives, metrics in results:
         assert step == 2 and calls == ["local_shards", "refresh"] * 2
         assert all(torch.allclose(torch.tensor(a), m) for a, m in zip(after, mean))
         # the second sync averages the drift too: + (1 + 2) / 2
         assert all(torch.allclose(torch.tensor(f), m + 1.5) for f, m in zip(final, mean))
+        # a scheduled sync: the vote (in the group, then across) and the data, no round for its metrics
+        assert collectives == ["allreduce_"] * 3, collectives
+        (first_variance, first_carried), (last_variance, last_rms, carried) = metrics
+        assert first_variance is None and first_carried is None  # carried by the next vote
+        # the first sync's, in closed form: groups x and 2x + 10 differ by x + 10, so the variance
+        # across the two is ((x + 10) / 2)^2; the rms is the mean's
+        variance = sum(float((((s + 10) / 2) ** 2).sum()) for s in base) / elements
+        rms = (sum(float((m ** 2).sum()) for m in mean) / elements) ** 0.5
+        assert carried.step == 2 and carried.variance == pytest.approx(variance, rel=1e-9)
+        assert carried.param_rms == pytest.approx(rms, rel=1e-9)
+        # the last sync's own, at once: groups mean + 1 and mean + 2
+        assert last_variance == pytest.approx(0.25, rel=1e-9)
+        assert last_rms == pytest.approx((sum(float(((m + 1.5) ** 2).sum()) for m in mean) / elements) ** 0.5)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .bucket_buffers import BucketBuffers
 from .chunks import Chunk, plan_chunks
 from .compression import compressed_mean_
 from .consensus import sampled_blocks
@@ -119,6 +120,7 @@ class ShardAverager:
         self.peer_tier, self.replica_tier = peer_tier, replica_tier
         self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
+        self.buffers = BucketBuffers(keep=MAX_PACKED_IN_FLIGHT)  # packed buckets, kept between syncs on CPU
 
     def plan(self, shards: list[torch.Tensor]) -> list[Chunk]:
         """How `shards` are cut into collectives (same on every rank of a peer group)."""
@@ -176,9 +178,10 @@ class ShardAverager:
             seg = chunk.segments[0]
             buffer = flats[seg.index].narrow(0, seg.start, seg.length)
         else:
-            buffer = flats[chunk.segments[0].index].new_zeros(chunk.padded_length(self.split))
+            buffer = self.buffers.take(flats[chunk.segments[0].index], chunk.padded_length(self.split))
             torch.cat([flats[s.index].narrow(0, s.start, s.length) for s in chunk.segments],
                       out=buffer.narrow(0, 0, chunk.length))
+            buffer.narrow(0, chunk.length, buffer.numel() - chunk.length).zero_()  # the padding only
         part = buffer.numel() // self.split
         start = self.replica_index * part
         region = buffer.narrow(0, start, part)
@@ -249,5 +252,6 @@ class ShardAverager:
                 targets.append(flats[seg.index].narrow(0, seg.start, seg.length))
                 offset += seg.length
             torch._foreach_copy_(targets, views)
+            self.buffers.give_back(item.buffer)
             return 1
         return 0

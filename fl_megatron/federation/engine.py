@@ -27,7 +27,7 @@ from .ledger import CommLedger
 from .membership import Membership
 from .outer import OuterOptimizer
 from .overlap import Overlapper
-from .result import ResultBuilder, SyncResult, metric_sums
+from .result import CarriedMetrics, ResultBuilder, SyncResult, metric_sums
 from .schedule import sync_due
 from .sync_state import AveragerSettings, SyncState
 from .unequal_groups import UnequalGroups, atom_averaging
@@ -65,6 +65,8 @@ class FederationEngine:
         self.last_synced_step = 0  # the last sync that averaged every fragment
         self.committed_syncs = 0   # syncs kept (committed or landed): elastic groups that differ in it differ in state
         self.vote_seconds = 0.0    # time in votes: mostly waiting there for the slowest group to arrive
+        # one world: the last sync's metric sums on this rank, which the next vote adds up over the job
+        self.metrics = CarriedMetrics()
 
     # --- what the engine is now ---------------------------------------------------------------
     @property
@@ -120,21 +122,24 @@ class FederationEngine:
         step, rides along as `landed`). The vote lands in `self.vote`. `full`: a due sync averages
         every fragment and blocks, as the last one does (before a switch of sync mode). `due`:
         whether a sync follows, where the caller plans the rounds (per-group step counts; `step`
-        is then the round's federation step, the same on every group)."""
+        is then the round's federation step, the same on every group). In one world a sync's
+        variance and rms are carried to the next sync's vote (its result's `carried`), but for
+        the last sync's and a `full` one's, which take a round of their own."""
         landed = None
-        if self.flight is not None and (step >= self.flight.due or last or full):
-            landed = self.land()
+        now = last or full
+        if self.flight is not None and (step >= self.flight.due or now):
+            landed = self.land(metrics_now=now)
         if not (self.due(step, last) if due is None else due):
             return landed
         if figures is None:
             figures = GroupFigures(loss=None if loss is None else float(loss))
-        if self.config.overlap_steps and not (last or full):
+        if self.config.overlap_steps and not now:
             return _after(landed, self._launch(step, figures))
-        return _after(landed, self.sync(step, figures, full=last or full))
+        return _after(landed, self.sync(step, figures, full=now, metrics_now=now))
 
     def sync(self, step: int, figures: Optional[GroupFigures] = None, full: bool = True,
              voted: Optional[Senders] = None, membership: Optional[Membership] = None,
-             transaction=None) -> SyncResult:
+             transaction=None, metrics_now: bool = True) -> SyncResult:
         """Sync now (collective over all ranks, but only ever inside a federation group or a peer
         group): meet, vote, exchange (over all groups or, unless `full`, along this sync's graph),
         commit or roll back, report. Groups whose shards hold NaN/Inf (or whose loss is past
@@ -142,8 +147,10 @@ class FederationEngine:
         others'; AllGroupsSick if no group is left. A group healing at this sync makes it average
         every fragment on every group (the vote tells all of them). `voted`, `membership`,
         `transaction`: a launch that turned into a blocking sync (it met, began and voted already);
-        `membership` alone: a group healing at start-up (it met already)."""
-        landed = self.land() if self.flight is not None else None
+        `membership` alone: a group healing at start-up (it met already). `metrics_now`: agree this
+        sync's variance and rms at once, in a round of their own over the job; otherwise (one
+        world) the next sync's vote carries them (`SyncResult.carried` there)."""
+        landed = self.land(metrics_now) if self.flight is not None else None
         start = time.perf_counter()
         membership = membership or self.groups.meet()
         if transaction is None:
@@ -153,9 +160,12 @@ class FederationEngine:
         done = self._exchange(step, figures, full, voted, membership, self._peers(membership, transaction.peer_call),
                               transaction.keep_inner_state)
         sums = metric_sums(done.stats, done.shards if self.state.outers else None) if done.consensus is None else None
-        verdict = transaction.conclude(step, sums, self._device_of(done.shards))
+        carried = self.metrics.reported(self.vote)
+        later = sums is not None and not metrics_now and transaction.carries_metrics
+        verdict = transaction.conclude(step, None if later else sums, self._device_of(done.shards))
         if not verdict.committed:
             return _after(landed, self.results.voted_down(step, start, membership))
+        self.metrics.keep(step, sums if later else None)
         self.committed_syncs += 1
         if len(done.moved) == self.state.fragments:
             self.last_synced_step = step
@@ -163,13 +173,14 @@ class FederationEngine:
             self.backend.refresh_after_sync()
         return _after(landed, self.results.build(step, start, done.stats, done.choice, done.sick, done.consensus,
                                                  self._reported(done.moved), verdict.totals, membership,
-                                                 tuple(self.vote.joining)))
+                                                 tuple(self.vote.joining), carried))
 
-    def land(self) -> SyncResult:
+    def land(self, metrics_now: bool = True) -> SyncResult:
         """Wait for the sync in flight and merge it (a checkpoint calls this before saving), then
         commit it or, in elastic mode, roll it back as a blocking sync would: the shards as they
         were just before the merge (the steps trained since the launch kept), the sync state as
-        at the launch. Either way the groups that met at its launch decide, before the next meeting."""
+        at the launch. Either way the groups that met at its launch decide, before the next meeting.
+        `metrics_now`: as for `sync` (the launch's vote carried the previous sync's metrics)."""
         start = time.perf_counter()
         flight = self.flight
         fragment, transaction = flight.fragment, flight.transaction
@@ -181,12 +192,15 @@ class FederationEngine:
                            transaction.keep_inner_state)
         self.backend.refresh_after_sync()
         sums = metric_sums(stats, shards) if flight.consensus is None else None
-        verdict = transaction.conclude(flight.step, sums, self._device_of(shards))
+        later = sums is not None and not metrics_now and transaction.carries_metrics
+        verdict = transaction.conclude(flight.step, None if later else sums, self._device_of(shards))
         if not verdict.committed:
             return self.results.voted_down(flight.step, start, flight.membership)
+        self.metrics.keep(flight.step, sums if later else None)
         self.committed_syncs += 1
         return self.results.build(flight.step, start, stats, Choice("complete"), flight.senders.sick, flight.consensus,
-                                  self._reported((fragment,)), verdict.totals, flight.membership)
+                                  self._reported((fragment,)), verdict.totals, flight.membership,
+                                  carried=flight.carried)
 
     # --- the stages -----------------------------------------------------------------------------
     def _peers(self, membership: Membership, call=call_directly) -> Peers:
@@ -201,7 +215,7 @@ class FederationEngine:
         began = time.perf_counter()
         self.vote = take_vote(step, shards, figures or GroupFigures(), group, layout.num_groups,
                               self.config.sick_loss_ratio, self.groups.federation, self.groups.reduce_across_groups,
-                              self._device_of(shards), peers.call)
+                              self._device_of(shards), peers.call, self.metrics.sums)
         self.vote_seconds += time.perf_counter() - began
         return Senders.of(self.vote, membership.groups, group, vote_failed=has_failed(peers.call))
 
@@ -247,7 +261,8 @@ class FederationEngine:
         fragment = self._due_fragment(step)
         self.overlapped.launch(step, step + self.config.overlap_steps, self.state.averagers[fragment],
                                self.state.outers[fragment], self.state.views(shards)[fragment], senders, peers,
-                               consensus, fragment, membership, transaction, before_exchange=lambda: _slowed_link(step))
+                               consensus, fragment, membership, transaction, before_exchange=lambda: _slowed_link(step),
+                               carried=self.metrics.reported(self.vote))
         return None
 
     def switch_voted(self) -> Optional[SyncMode]:

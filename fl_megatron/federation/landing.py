@@ -44,6 +44,7 @@ class InFlight:
     fragment: int = 0         # the fragment in flight (--fl-fragments)
     membership: Optional[Membership] = None  # the groups that met at launch
     transaction: object = None  # how it ends at landing (transaction.py): commit, or a rollback
+    carried: object = None      # the previous sync's metrics, which the launch's vote carried (result.Carried)
 
 
 class OverlappedSyncs:
@@ -63,7 +64,7 @@ class OverlappedSyncs:
     def launch(self, step: int, due: int, averager: ShardAverager, outer: OuterOptimizer, shards: list,
                senders: Senders, peers: Peers, consensus: Optional[Consensus], fragment: int,
                membership: Optional[Membership] = None, transaction=None,
-               before_exchange: Callable[[], None] = lambda: None) -> None:
+               before_exchange: Callable[[], None] = lambda: None, carried=None) -> None:
         """Start averaging the pseudo-gradients (anchor - shard) of `shards` across groups; it lands
         at step `due`. `membership`, `transaction`: who met at launch and how the sync ends (both
         kept for the landing). `before_exchange` runs in the thread first (a test's slowed link)."""
@@ -82,7 +83,7 @@ class OverlappedSyncs:
             return stats
 
         self.flight = InFlight(step, due, self.thread().submit(average, averaged), averaged, own, senders, peers,
-                               consensus, fragment, membership, transaction)
+                               consensus, fragment, membership, transaction, carried)
 
     @torch.no_grad()
     def land(self, outer: OuterOptimizer, shards: list,

@@ -23,8 +23,10 @@ class SyncResult:
     seconds: float
     inter_group_bytes: int
     intra_group_bytes: int
-    variance: float     # mean over parameter elements of the variance across groups, before the sync
-    param_rms: float    # root mean square of the groups' parameters before the sync
+    # mean over parameter elements of the variance across groups before the sync, and the rms of the
+    # groups' parameters; None where the next sync's vote carries them (`carried` there; one world)
+    variance: Optional[float]
+    param_rms: Optional[float]
     sick_groups: tuple = ()  # groups left out of this average and reset to it
     graph: str = "complete"  # the communication graph of this sync (--fl-topology)
     consensus: Optional[Consensus] = None  # DBench metrics, measured before anything moved
@@ -35,6 +37,35 @@ class SyncResult:
     exchange_seconds: float = 0.0  # the exchange itself (blocking: `seconds`; overlapped: its time in the thread)
     wire_bytes_by_tier: dict = field(default_factory=dict)  # this rank's bytes on the wire per network tier
     landed: Optional["SyncResult"] = None  # an overlapped sync that landed first, at this step
+    carried: Optional["Carried"] = None  # the previous sync's variance and rms, which this sync's vote carried
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A sync's variance and rms, agreed over the job in the next sync's vote."""
+
+    step: int
+    variance: float
+    param_rms: float
+
+
+class CarriedMetrics:
+    """One world: the last sync's metric sums on this rank, until the next vote adds them up over
+    the job (vote.take_vote's `carried`): a sync then makes no round of its own for its metrics."""
+
+    def __init__(self) -> None:
+        self.step: Optional[int] = None
+        self.sums: Optional[list] = None
+
+    def keep(self, step: int, sums: Optional[list]) -> None:
+        """After sync `step`: its sums to carry, or None (its metrics were agreed at once)."""
+        self.step, self.sums = (step, sums) if sums is not None else (None, None)
+
+    def reported(self, vote) -> Optional[Carried]:
+        """What `vote` carried of the kept sync's metrics (None: nothing)."""
+        if vote is None or vote.carried_sums is None or self.step is None:
+            return None
+        return Carried(self.step, *variance_and_rms(vote.carried_sums))
 
 
 def metric_sums(stats: SyncStats, shards: Optional[list] = None) -> list[float]:
@@ -67,15 +98,16 @@ class ResultBuilder:
 
     def build(self, step: int, start: float, stats: SyncStats, choice: Choice, sick: tuple,
               consensus: Optional[Consensus], fragments: tuple, totals: Optional[list],
-              membership: Optional[Membership] = None, joined: tuple = ()) -> SyncResult:
+              membership: Optional[Membership] = None, joined: tuple = (),
+              carried: Optional[Carried] = None) -> SyncResult:
         """The result of a sync that stands. With DBench metrics (`consensus`) the bytes each group
         sent (an all-reduce at its ring size on the wire, the metric's sample too) go into the
         consensus record, collective over the job; without them `totals` (the agreed metric sums)
-        give the variance."""
+        give the variance, or (None) the next sync's vote will. `carried`: the previous sync's."""
         groups = self.groups.layout.num_groups
         wire = wire_volume(choice.graph, groups, stats.inter_group_bytes)
         if consensus is None:
-            variance, rms = variance_and_rms(totals)
+            variance, rms = variance_and_rms(totals) if totals is not None else (None, None)
         else:
             self.ledger.add("inter-group", self.peer_tier, consensus.sample_bytes)
             wire += wire_volume("complete", groups, consensus.sample_bytes)
@@ -92,7 +124,8 @@ class ResultBuilder:
         by_tier[self.replica_tier] = by_tier.get(self.replica_tier, 0.0) + gathered
         return SyncResult(step, seconds, stats.inter_group_bytes, stats.intra_group_bytes, variance, rms, sick,
                           choice.graph, consensus, fragments, membership, joined,
-                          exchange_seconds=stats.exchange_seconds or seconds, wire_bytes_by_tier=by_tier)
+                          exchange_seconds=stats.exchange_seconds or seconds, wire_bytes_by_tier=by_tier,
+                          carried=carried)
 
     @staticmethod
     def voted_down(step: int, start: float, membership: Membership) -> SyncResult:

@@ -29,9 +29,11 @@ class Verdict:
 
 
 class OneWorldTransaction:
-    """One world: nothing to undo; the sums are reduced over the job."""
+    """One world: nothing to undo; the sums are reduced over the job, where asked for (otherwise
+    the next vote carries them: `carries_metrics`)."""
 
     peer_call: Callable = staticmethod(call_directly)
+    carries_metrics = True  # a sync's metric sums may wait for the next vote (no round of their own)
 
     def __init__(self, groups) -> None:
         self.groups = groups
@@ -62,6 +64,8 @@ class RollbackTransaction:
     the sync state and (where the sync changed it) the inner optimizer's state are restored from
     host copies taken before the sync (one more fp32 copy of the shards in host memory while it
     runs, and of the optimizer's state with --fl-inner-state average or in a sick group)."""
+
+    carries_metrics = False  # the sums ride on the commit's in-group round, at once
 
     def __init__(self, groups, backend: ShardOwner, state: SyncState) -> None:
         self.groups, self.backend, self.state = groups, backend, state

@@ -6,6 +6,10 @@ Two tiny all-reduces (MAX): inside the federation group (its ranks' flags), then
 ranks, who pass it on to their group), so every rank of the job ends with the same vote and no
 collective spans the job. Each group fills its own slots of the peer vector; the others hold
 -inf, so MAX gathers the groups' figures (in elastic mode the slots of absent groups stay -inf).
+The previous sync's metric sums ride here too (one world): each rank brings its own (squared
+deviations, squares, sample count) in its own slots of the in-group vector, each group their sum in
+its slots of the table, and every rank adds the groups' up alike: the job's totals, with no round
+of their own (docs/metrics.md, "When a sync's metrics are reported").
 In elastic mode --fl-tune's choice rides here too: each group brings the mode it chose, and the
 lowest-numbered group that chose one decides for all who met. With per-group step counts
 (rounds.py) each group also brings the tokens it trained since the last sync, which weight the
@@ -59,10 +63,13 @@ class Vote:
     tune_choice: Optional[SyncMode] = None  # the lowest-numbered group's --fl-tune choice, if any group chose
     tokens: list = field(default_factory=list)        # per group, since the last sync (None where not given)
     step_seconds: list = field(default_factory=list)  # per group (None where not given)
+    carried_sums: Optional[list] = None  # the previous sync's metric sums over the job (None: none carried)
 
 
 MODE_SLOTS = 5  # a SyncMode as numbers: precision, error feedback, overlap, fragments, interval
-GROUP_SLOTS = 6 + MODE_SLOTS  # each group's numbers in the vote: sick, loss, norm, healing, tokens, step time, mode
+METRIC_SLOTS = 3  # a sync's metric sums: squared deviations, squares, sample count (result.metric_sums)
+# each group's numbers in the vote: sick, loss, norm, healing, tokens, step time, mode, carried metric sums
+GROUP_SLOTS = 6 + MODE_SLOTS + METRIC_SLOTS
 
 
 def _mode_slots(mode: Optional[SyncMode]) -> list[float]:
@@ -107,27 +114,51 @@ def across_peer_group(peer_group) -> Callable:
     return reduce
 
 
+def _rank_sums(carried: Optional[list], federation_group) -> list[float]:
+    """This rank's carried metric sums in its own slots of the in-group vector (-inf elsewhere:
+    MAX gathers every rank's)."""
+    slots = [-math.inf] * (METRIC_SLOTS * dist.get_world_size(federation_group))
+    if carried is not None:
+        at = METRIC_SLOTS * dist.get_rank(federation_group)
+        slots[at:at + METRIC_SLOTS] = [_slot(v) for v in carried]
+    return slots
+
+
+def _added(rows: list) -> Optional[list]:
+    """Rows of metric sums added up in order (the same on every rank); None without rows."""
+    return [math.fsum(column) for column in zip(*rows)] if rows else None
+
+
 def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, group: int, num_groups: int,
-              loss_ratio: float, federation_group, across, device_type: str, peer_call=call_directly) -> Vote:
+              loss_ratio: float, federation_group, across, device_type: str, peer_call=call_directly,
+              carried: Optional[list] = None) -> Vote:
     """The vote of sync `step`. Sick: a non-finite value in any shard of the group, a non-finite
     loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's. `across(
     tensor, op, call)` reduces the group's table across the groups (`across_peer_group`, or
     `ProcessGroups.reduce_across_groups`); its collective goes through `peer_call` (elastic mode:
-    the sync's PeerLatch)."""
+    the sync's PeerLatch). `carried`: this rank's metric sums of the previous sync, to add up over
+    the job (the vote's `carried_sums`; None where every rank brings none)."""
     mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
                          float(figures.healing), _slot(figures.tokens), _slot(figures.step_seconds),
-                         *_mode_slots(figures.tune_choice), float(figures.signalled),
-                         float(figures.timed_out)], dtype=torch.float64, device=device_type)
+                         *_mode_slots(figures.tune_choice), *([-math.inf] * METRIC_SLOTS), float(figures.signalled),
+                         float(figures.timed_out), *_rank_sums(carried, federation_group)],
+                        dtype=torch.float64, device=device_type)
     # MAX inside the group: its slowest rank's step time (every rank brings the same tokens)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
     per_group = GROUP_SLOTS  # slots each group fills, one block of num_groups per figure
+    ranks = mine[per_group + 2:].view(-1, METRIC_SLOTS)  # every rank's carried sums, the same on each
+    if ranks.numel():  # the group's: their sum where every rank brought some (on the device: no host sync)
+        mine[per_group - METRIC_SLOTS:per_group] = torch.where((ranks == -math.inf).any(), -math.inf, ranks.sum(0))
     table = torch.full((per_group * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
     table[[k * num_groups + group for k in range(per_group)]] = mine[:per_group]
-    table[per_group * num_groups:] = mine[per_group:]
+    table[per_group * num_groups:] = mine[per_group:per_group + 2]
     across(table, dist.ReduceOp.MAX, peer_call)
     values = table.tolist()
-    bad, losses, norms, healing, tokens, seconds, *modes = (values[k * num_groups:(k + 1) * num_groups]
-                                                            for k in range(per_group))
+    bad, losses, norms, healing, tokens, seconds, *rest = (values[k * num_groups:(k + 1) * num_groups]
+                                                           for k in range(per_group))
+    modes, sums = rest[:MODE_SLOTS], rest[MODE_SLOTS:]
+    present = [g for g in range(num_groups) if sums[0][g] != -math.inf]
+    carried_sums = _added([[column[g] for column in sums] for g in present])
     chosen = (_slots_mode([m[g] for m in modes]) for g in range(num_groups))
     tune_choice = next((mode for mode in chosen if mode is not None), None)
     sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
@@ -140,7 +171,7 @@ def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, grou
     shown = lambda v: None if v == -math.inf else v  # noqa: E731
     return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
                 values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0], tune_choice,
-                [None if v == -math.inf else int(v) for v in tokens], [shown(v) for v in seconds])
+                [None if v == -math.inf else int(v) for v in tokens], [shown(v) for v in seconds], carried_sums)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,9 @@ class FederatedOuterLoop:
         if result is None:
             return None
         self.syncs += 1
-        spread = math.sqrt(result.variance) / result.param_rms if result.param_rms > 0 else 0.0
+        measured = result if result.variance is not None else result.carried  # carried: the previous sync's
+        spread = None if measured is None else \
+            (math.sqrt(measured.variance) / measured.param_rms if measured.param_rms > 0 else 0.0)
         when = f"at iteration {iteration}" if result.step == iteration else \
             f"of iteration {result.step} landed at iteration {iteration}"
         extra = [f"graph {result.graph}"] if result.graph != "complete" else []
@@ -141,7 +143,10 @@ class FederatedOuterLoop:
                 f"{self.groups.num_groups} groups"
                 + (f" + {result.intra_group_bytes / 1e6:.2f} MB/rank inside the group" if result.intra_group_bytes
                    else "")
-                + f", {result.seconds:.3f} s, spread {spread:.2e}" + "".join(f", {e}" for e in extra))
+                + f", {result.seconds:.3f} s"
+                + ("" if spread is None else f", spread {spread:.2e}"
+                   + ("" if measured is result else f" (sync of iteration {measured.step})"))
+                + "".join(f", {e}" for e in extra))
         self._say(line)
         return line
 

@@ -21,7 +21,11 @@ def progress_line(record: dict, total_steps: int, eta_seconds: float) -> str:
              f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}",
              f"grad {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
     if record.get("synced"):
-        sync = f"sync {record['sync_seconds'] * 1e3:.0f} ms var {record['param_variance']:.2e}"
+        sync = f"sync {record['sync_seconds'] * 1e3:.0f} ms"
+        if "param_variance" in record:
+            sync += f" var {record['param_variance']:.2e}"
+        elif "prev_sync_param_variance" in record:  # the previous sync's, carried by this one's vote
+            sync += f" var {record['prev_sync_param_variance']:.2e} (step {record['prev_sync_step']})"
         if "fragments" in record:
             sync += f" fragment {','.join(map(str, record['fragments']))}"
         if "graph" in record:

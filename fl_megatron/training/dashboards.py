@@ -19,6 +19,7 @@ TAGS = {
     "intra_node_bytes": "comm/intra_node_bytes", "inter_node_bytes": "comm/inter_node_bytes",
     "synced": "sync/synced", "sync_seconds": "sync/seconds", "param_variance": "sync/param_variance",
     "param_rms": "sync/param_rms", "sync_exchange_seconds": "sync/exchange_seconds",
+    "prev_sync_param_variance": "sync/prev_sync_param_variance", "prev_sync_param_rms": "sync/prev_sync_param_rms",
     "sync_inter_node_bytes_per_s": "sync/inter_node_bytes_per_s",
     "sync_intra_node_bytes_per_s": "sync/intra_node_bytes_per_s", "sync_wait_fraction": "sync/wait_fraction",
     "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity",

@@ -35,7 +35,11 @@ def step_record(step: int, tokens_per_step: int, elapsed: float, loss: float, gr
         **bytes_so_far,
     }
     if sync is not None:
-        record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+        if sync.variance is not None:  # agreed at once (the last sync, elastic mode, DBench metrics)
+            record.update(param_variance=sync.variance, param_rms=sync.param_rms)
+        if sync.carried is not None:  # the previous sync's, carried by this one's vote
+            c = sync.carried
+            record.update(prev_sync_step=c.step, prev_sync_param_variance=c.variance, prev_sync_param_rms=c.param_rms)
         record.update(sync_telemetry(sync, interval_seconds))
         if sync.sick_groups:
             record["sick_groups"] = list(sync.sick_groups)
