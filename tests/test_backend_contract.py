@@ -213,7 +213,7 @@ class _Recorded:
         events = self.seen.setdefault(key, [])
 
         def call(*args, **kwargs):
-            with CollectiveCounter(lambda op, ranks: events.append((op, ranks))):
+            with CollectiveCounter(lambda op, ranks, nbytes: events.append((op, ranks))):
                 return attr(*args, **kwargs)
         return call
 

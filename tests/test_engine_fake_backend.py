@@ -85,7 +85,7 @@ def _two_groups_sync(rank: int, world: int) -> list:
     backend.shards = [shard * (rank + 1) + 10 * rank for shard in backend.shards]
     engine = FederationEngine(backend, _groups(dist.group.WORLD, rank), FederationConfig(sync_interval=2))
     calls = []
-    with CollectiveCounter(lambda name, ranks: calls.append(name)):
+    with CollectiveCounter(lambda name, ranks, nbytes: calls.append(name)):
         first = engine.after_step(2)
     after = [shard.tolist() for shard in backend.shards]  # plain lists: tensors do not outlive the process
     with torch.no_grad():  # the groups drift apart again before the next sync

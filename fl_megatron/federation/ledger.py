@@ -65,6 +65,8 @@ _PAYLOAD_ARG = {
     "all_reduce": 0, "all_reduce_coalesced": 0, "all_gather_into_tensor": 0,
     "all_gather_into_tensor_coalesced": 0, "reduce_scatter_tensor": 0,
     "reduce_scatter_tensor_coalesced": 0, "broadcast": 0, "all_to_all_single": 0,
+    # point to point (gossip, a heal's atoms): the tensors sent or received
+    "send": 0, "recv_": 0, "recv_any_source_": 0,
 }
 _NAMESPACES = ("c10d", "_c10d_functional")
 # functional-collective helpers that move nothing between ranks
@@ -89,15 +91,16 @@ def collective_ranks(args) -> Optional[tuple]:
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts the c10d collectives issued while active: calls and payload bytes per operator.
-    `on_collective(name, ranks)`, if given, also hears of each one with the global ranks of its
-    process group (tests that check which ranks meet).
+    `on_collective(name, ranks, nbytes)`, if given, also hears of each one with the global ranks of
+    its process group and this rank's payload bytes (tests that check which ranks meet, and which
+    of their collectives are latency-bound).
 
     Every op of the step passes through Python while it is active, so use it to measure a
     step once (calibration) or in tests, not on every step. Only the thread that entered it is
     seen (dispatch modes are per thread).
     """
 
-    def __init__(self, on_collective: Optional[Callable[[str, Optional[tuple]], None]] = None) -> None:
+    def __init__(self, on_collective: Optional[Callable[[str, Optional[tuple], int], None]] = None) -> None:
         super().__init__()
         self.calls: Counter = Counter()
         self.payload: Counter = Counter()
@@ -108,10 +111,10 @@ class CollectiveCounter(TorchDispatchMode):
             name = func._schema.name.split("::")[-1]
             self.calls[name] += 1
             index = _PAYLOAD_ARG.get(name)
-            if index is not None and index < len(args):
-                self.payload[name] += _tensor_bytes(args[index])
+            nbytes = _tensor_bytes(args[index]) if index is not None and index < len(args) else 0
+            self.payload[name] += nbytes
             if self.on_collective is not None and name not in _NOT_COLLECTIVES:
-                self.on_collective(name, collective_ranks(args))
+                self.on_collective(name, collective_ranks(args), nbytes)
         return func(*args, **(kwargs or {}))
 
     @property
