@@ -146,7 +146,7 @@ def torchft_job(rank: int, world: int, args, lighthouse: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0], help="one-way delays")
     p.add_argument("--repeats", type=int, default=5)
