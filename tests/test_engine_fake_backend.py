@@ -79,11 +79,15 @@ def test_sync_reports_payload_bytes_and_disabled_syncing_never_calls_the_backend
     assert all(off.after_step(s, last=s == 4) is None for s in range(1, 5)) and quiet.calls == []
 
 
-def _two_groups_sync(rank: int, world: int) -> list:
+IN_PLACE_BUCKET_MB = 64 / 2**20  # 16 elements: both shards are averaged in place, not packed
+
+
+def _two_groups_sync(rank: int, world: int, bucket_mb: float) -> list:
     """Group `rank` (of 2, one rank each) with shards that differ by group, through two syncs."""
     backend = FakeBackend()
     backend.shards = [shard * (rank + 1) + 10 * rank for shard in backend.shards]
-    engine = FederationEngine(backend, _groups(dist.group.WORLD, rank), FederationConfig(sync_interval=2))
+    engine = FederationEngine(backend, _groups(dist.group.WORLD, rank),
+                              FederationConfig(sync_interval=2, bucket_mb=bucket_mb))
     calls = []
     with CollectiveCounter(lambda name, ranks, nbytes: calls.append(name)):
         first = engine.after_step(2)
@@ -96,8 +100,9 @@ def _two_groups_sync(rank: int, world: int) -> list:
     return [first.step, after, [shard.tolist() for shard in backend.shards], backend.calls, calls, metrics]
 
 
-def test_two_groups_end_each_sync_with_the_mean_of_their_shards():
-    results = run_ranks(2, _two_groups_sync, timeout=120)
+@pytest.mark.parametrize("bucket_mb", [32.0, IN_PLACE_BUCKET_MB], ids=["packed", "in-place"])
+def test_two_groups_end_each_sync_with_the_mean_of_their_shards(bucket_mb):
+    results = run_ranks(2, _two_groups_sync, bucket_mb, timeout=120)
     base = FakeBackend().shards
     mean = [(shard + (2 * shard + 10)) / 2 for shard in base]  # groups 0 and 1 as _two_groups_sync makes them
     elements = sum(s.numel() for s in base)
@@ -106,8 +111,11 @@ def test_two_groups_end_each_sync_with_the_mean_of_their_shards():
         assert all(torch.allclose(torch.tensor(a), m) for a, m in zip(after, mean))
         # the second sync averages the drift too: + (1 + 2) / 2
         assert all(torch.allclose(torch.tensor(f), m + 1.5) for f, m in zip(final, mean))
-        # a scheduled sync: the vote (in the group, then across) and the data, no round for its metrics
-        assert collectives == ["allreduce_"] * 3, collectives
+        # a scheduled sync: the vote's in-group round, then the data, which carries the vote across
+        # the groups (inside the packed bucket, or beside the first in-place one, issued with it);
+        # no round for its metrics (they ride on the next vote)
+        packed = bucket_mb != IN_PLACE_BUCKET_MB
+        assert collectives == ["allreduce_"] * (2 if packed else 4), collectives
         (first_variance, first_carried), (last_variance, last_rms, carried) = metrics
         assert first_variance is None and first_carried is None  # carried by the next vote
         # the first sync's, in closed form: groups x and 2x + 10 differ by x + 10, so the variance

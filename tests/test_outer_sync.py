@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fl_megatron.federation import CollectiveCounter
 from fl_megatron.federation.compression import BLOCK, compressed_mean_, dequantize, quantize
 from fl_megatron.federation.vote import AllGroupsSick, GroupFigures
 from fl_megatron.local_ranks import run_ranks
@@ -164,7 +165,11 @@ def _sick_job(rank, world, tmp, cache):
     dist.all_gather_object(everyone, mine)
     out["sick_has_nan"] = any(bool(torch.isnan(v).any()) for v in everyone[3].values())
     expected = {k: sum(everyone[g][k] for g in range(3)) / 3 for k in mine}
-    result = trainer.engine.sync(3, GroupFigures(loss=float(loss)))
+    scalar_rounds = []  # all-reduces of a few numbers across the groups: none where the vote rides on the data
+    with CollectiveCounter(lambda name, ranks, nbytes: scalar_rounds.append(name)
+                           if ranks is not None and len(ranks) > 1 and nbytes <= 1024 else None):
+        result = trainer.engine.sync(3, GroupFigures(loss=float(loss)), metrics_now=False)
+    out["scalar_rounds"] = scalar_rounds
     out["sick_groups"] = list(result.sick_groups)
     out["vs_healthy_mean"] = max_diff(trainer.backend.full_state_dict(), expected)
     trainer.step(3)
@@ -184,6 +189,7 @@ def test_a_sick_group_is_left_out_and_reset_to_the_others_average(tmp_path):
     results = run_ranks(4, _sick_job, str(tmp_path), str(tmp_path / "cache"), timeout=600)
     for r in results:
         assert r["sick_has_nan"] and r["sick_groups"] == [3], r
+        assert r["scalar_rounds"] == [], r  # the vote found the sick group riding on the data (fp32 FedAvg)
         assert r["vs_healthy_mean"] <= 1e-6, r
         assert r["finite_after"], r
         assert "every federation group is sick at step 4" in r["all_sick"], r

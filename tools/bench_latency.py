@@ -11,8 +11,8 @@ other, as they run on one gloo thread or one NCCL stream. Bandwidth is the loopb
 differ in latency only.
 
 Rows:
-- ours: a scheduled sync (the vote, which carries the previous sync's metrics, then the data in
-  buckets of --bucket-mb);
+- ours: a scheduled sync (the data in buckets of --bucket-mb, the vote riding in the first
+  one, carrying the previous sync's metrics);
 - ours_metrics_round: the same sync agreeing its metrics at once (as before the vote carried
   them);
 - torchft LocalSGD: `LocalSGD.sync()` (its quorum, one all-reduce per parameter, its commit).

@@ -21,6 +21,7 @@ from .consensus import sampled_blocks
 from .failed_collective import call_directly
 from .graphs import Round
 from .ledger import CommLedger
+from .rider import Rider, sum_together
 
 MAX_PACKED_IN_FLIGHT = 2  # packed bucket buffers alive at once (double buffering)
 
@@ -95,6 +96,7 @@ class _InFlight:
     mixing: Optional[Round] = None  # a gossip round: mix `received` into the region when done
     received: list = field(default_factory=list)
     gossip_works: list = field(default_factory=list)
+    rider: Optional[Rider] = None  # the first bucket's rider: its payload summed (in the buffer or beside it)
 
 
 class ShardAverager:
@@ -122,6 +124,12 @@ class ShardAverager:
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
         self.buffers = BucketBuffers(keep=MAX_PACKED_IN_FLIGHT)  # packed buckets, kept between syncs on CPU
 
+    def can_carry(self, shards: list[torch.Tensor]) -> bool:
+        """Whether an average of `shards` can carry a Rider: fp32 data summed by an all-reduce
+        (no compression), no replica split, something to average."""
+        return (self.sync_dtype == "fp32" and self.split == 1 and sum(s.numel() for s in shards) > 0
+                and all(s.dtype == torch.float32 for s in shards))
+
     def plan(self, shards: list[torch.Tensor]) -> list[Chunk]:
         """How `shards` are cut into collectives (same on every rank of a peer group)."""
         itemsize = shards[0].element_size() if shards else 4
@@ -131,7 +139,8 @@ class ShardAverager:
     @torch.no_grad()
     def average(self, shards: list[torch.Tensor], include: bool = True,
                 contributors: Optional[int] = None, mixing: Optional[Round] = None,
-                peers: Optional[Peers] = None, weight: Optional[float] = None) -> SyncStats:
+                peers: Optional[Peers] = None, weight: Optional[float] = None,
+                rider: Optional[Rider] = None) -> SyncStats:
         """Replace every shard by its average over the federation groups, in place.
 
         `contributors` < the number of groups leaves some groups out: those ranks pass
@@ -140,8 +149,12 @@ class ShardAverager:
         the round's neighbour groups instead, by point-to-point sends and receives. `peers`:
         this average's peer group (default: the one the averager was made with). `weight`: this
         group's weight in a weighted mean (the weights of the senders sum to their number,
-        vote.token_weight); None: the plain mean."""
+        vote.token_weight); None: the plain mean. `rider`: a payload on the first all-reduce
+        (`can_carry` must hold), inside the first bucket's buffer if it is packed, else beside it
+        (rider.py); every bucket is then a SUM corrected by what its landing returns."""
         peers = peers or self.peers
+        if rider is not None and (mixing is not None or weight is not None or not self.can_carry(shards)):
+            raise ValueError("a rider needs a plain fp32 average without replica split")
         if mixing is not None and (self.sync_dtype != "fp32" or contributors is not None or weight is not None):
             raise ValueError("a gossip round mixes fp32 shards of every group (no compression, nobody left out, "
                              "no weights)")
@@ -160,11 +173,17 @@ class ShardAverager:
         pending: deque[_InFlight] = deque()
         packed_alive = 0
         left_out = contributors is not None and contributors != peers.size
+        # with a rider, how many send is known only when it lands: each sender's values are scaled
+        # by 1 / (the ranks of the SUM) as they are packed, so that the sum is the mean when every
+        # group sent; the rider's landing corrects every bucket where some did not
+        self._prescale = 1.0 / dist.get_world_size(peers.group) if rider is not None else None
+        self._correction: Optional[float] = None
         for index, chunk in enumerate(chunks):
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
                 packed_alive -= self._finish(pending.popleft(), flats, stats, sums, peers)
             pending.append(self._start(chunk, flats, stride, stats, peers, index, include,
-                                       contributors if left_out else None, mixing, weight))
+                                       contributors if left_out else None, mixing, weight,
+                                       rider if index == 0 else None))
             packed_alive += not chunk.inplace
         while pending:
             self._finish(pending.popleft(), flats, stats, sums, peers)
@@ -173,21 +192,37 @@ class ShardAverager:
 
     def _start(self, chunk: Chunk, flats: list[torch.Tensor], stride: int, stats: SyncStats, peers: Peers,
                index: int = 0, include: bool = True, contributors: Optional[int] = None,
-               mixing: Optional[Round] = None, weight: Optional[float] = None) -> _InFlight:
+               mixing: Optional[Round] = None, weight: Optional[float] = None,
+               rider: Optional[Rider] = None) -> _InFlight:
+        extra = rider.payload.numel() if rider is not None and not chunk.inplace else 0  # inside the buffer
+        scale = self._prescale if include else None  # scaled as packed (a left-out group's values, below)
         if chunk.inplace:
             seg = chunk.segments[0]
             buffer = flats[seg.index].narrow(0, seg.start, seg.length)
         else:
-            buffer = self.buffers.take(flats[chunk.segments[0].index], chunk.padded_length(self.split))
-            torch.cat([flats[s.index].narrow(0, s.start, s.length) for s in chunk.segments],
-                      out=buffer.narrow(0, 0, chunk.length))
-            buffer.narrow(0, chunk.length, buffer.numel() - chunk.length).zero_()  # the padding only
-        part = buffer.numel() // self.split
+            padded = chunk.padded_length(self.split)
+            buffer = self.buffers.take(flats[chunk.segments[0].index], padded + extra)
+            sources = [flats[s.index].narrow(0, s.start, s.length) for s in chunk.segments]
+            if scale is None:
+                torch.cat(sources, out=buffer.narrow(0, 0, chunk.length))
+            else:  # packed and scaled in one pass
+                offset = 0
+                for source in sources:
+                    torch.mul(source, scale, out=buffer.narrow(0, offset, source.numel()))
+                    offset += source.numel()
+            buffer.narrow(0, chunk.length, padded - chunk.length).zero_()  # the padding only
+            if extra:  # the rider follows the data (no replica split: the region is the whole buffer)
+                buffer.narrow(0, padded, extra).copy_(rider.payload)
+        part = (buffer.numel() - extra) // self.split
         start = self.replica_index * part
-        region = buffer.narrow(0, start, part)
+        region = buffer.narrow(0, start, part + extra)
         valid = max(0, min(part, chunk.length - start))
         sample = sampled_blocks(region.narrow(0, 0, valid), stride).clone()
-        weighted = weigh_(region, include, weight, contributors, peers.size)
+        if chunk.inplace and scale is not None:  # the shard itself, scaled in place (the sum overwrites it)
+            region.narrow(0, 0, part).mul_(scale)
+        elif scale is not None:  # packed scaled: the sample as the values were
+            sample.div_(scale)
+        weighted = weigh_(region.narrow(0, 0, part), include, weight, contributors, peers.size)
         if weighted is not None:  # a weighted mean: the weighted values summed, divided by the senders
             contributors = weighted
         work, divisor, received, gossip_works = None, None, [], []
@@ -205,19 +240,31 @@ class ShardAverager:
             nbytes = peers.call(compressed_mean_, region, peers.group, self.sync_dtype, include=include,
                                 contributors=contributors, residual=residual) or 0
         else:
-            if contributors is None:  # the exact path: every group contributes
+            if self._prescale is not None:  # a rider's average: scaled senders (a left-out group: zeros)
+                if not include:  # its data only: the rider rides on all the same
+                    region.narrow(0, 0, part).zero_()
+                if rider is not None and not extra:  # an in-place bucket: the rider's sum beside it
+                    work = peers.call(sum_together, region, rider.payload, peers.group)
+                else:
+                    work = peers.call(dist.all_reduce, region, op=dist.ReduceOp.SUM, group=peers.group,
+                                      async_op=True)
+            elif contributors is None:  # the exact path: every group contributes
                 work = peers.call(dist.all_reduce, region, op=dist.ReduceOp.AVG, group=peers.group, async_op=True)
             else:
                 if not include:
                     region.zero_()
                 work = peers.call(dist.all_reduce, region, op=dist.ReduceOp.SUM, group=peers.group, async_op=True)
                 divisor = contributors
-            nbytes = region.numel() * region.element_size()
+            nbytes = part * region.element_size()  # the data's (a rider's few numbers are not counted)
         stats.inter_group_bytes += nbytes
         stats.collectives += 1
         if self.ledger is not None:
             self.ledger.add("inter-group", self.peer_tier, nbytes)
-        return _InFlight(chunk, buffer, region, valid, stride, sample, work, divisor, mixing, received, gossip_works)
+        if extra:  # the data's own view; the rider's part is read when it lands
+            rider = Rider(region.narrow(0, part, extra), rider.landed)
+            region = region.narrow(0, 0, part)
+        return _InFlight(chunk, buffer, region, valid, stride, sample, work, divisor, mixing, received, gossip_works,
+                         rider)
 
     def _finish(self, item: _InFlight, flats: list[torch.Tensor], stats: SyncStats,
                 sums: torch.Tensor, peers: Peers) -> int:
@@ -226,6 +273,11 @@ class ShardAverager:
             peers.call(item.work.wait)
         for work in item.gossip_works:
             peers.call(work.wait)
+        if item.rider is not None:  # how many sent, from the rider: the scale's correction where not all
+            senders, ranks = item.rider.landed(item.rider.payload), round(1 / self._prescale)
+            self._correction = ranks / senders if senders != ranks else None
+        if self._correction is not None:
+            item.region.mul_(self._correction)
         if item.mixing is not None:
             item.region.mul_(item.mixing.self_weight)
             for buf, (_, weight) in zip(item.received, item.mixing.receives):

@@ -27,11 +27,12 @@ from .ledger import CommLedger
 from .membership import Membership
 from .outer import OuterOptimizer
 from .overlap import Overlapper
+from .riding_vote import exchange_with_the_vote, vote_can_ride
 from .result import CarriedMetrics, ResultBuilder, SyncResult, metric_sums
 from .schedule import sync_due
 from .sync_state import AveragerSettings, SyncState
 from .unequal_groups import UnequalGroups, atom_averaging
-from .vote import GroupFigures, Senders, Vote, take_vote
+from .vote import Ballot, GroupFigures, Senders, Vote, take_vote
 
 
 class FederationEngine:
@@ -157,8 +158,12 @@ class FederationEngine:
             transaction = self.groups.transaction(self.backend, self.state)
             transaction.begin()
         transaction.keep_shards()
-        done = self._exchange(step, figures, full, voted, membership, self._peers(membership, transaction.peer_call),
-                              transaction.keep_inner_state)
+        peers, shards = self._peers(membership, transaction.peer_call), self.backend.local_shards()
+        if voted is None and transaction.carries_metrics and vote_can_ride(
+                self.config, self.state, self.averaging.atoms is None, figures, shards):
+            done = self._ride(step, figures, full, membership, peers, shards, transaction.keep_inner_state)
+        else:
+            done = self._exchange(step, figures, full, voted, membership, peers, transaction.keep_inner_state, shards)
         sums = metric_sums(done.stats, done.shards if self.state.outers else None) if done.consensus is None else None
         carried = self.metrics.reported(self.vote)
         later = sums is not None and not metrics_now and transaction.carries_metrics
@@ -220,9 +225,9 @@ class FederationEngine:
         return Senders.of(self.vote, membership.groups, group, vote_failed=has_failed(peers.call))
 
     def _exchange(self, step: int, figures: Optional[GroupFigures], full: bool, voted: Optional[Senders],
-                  membership: Membership, peers: Peers, keep_inner_state: Callable[[], None]) -> Exchanged:
+                  membership: Membership, peers: Peers, keep_inner_state: Callable[[], None],
+                  shards: list) -> Exchanged:
         """The vote and the exchange of a blocking sync (every cross-group collective of it), in place."""
-        shards = self.backend.local_shards()
         group, num_groups = self.groups.coords[0], self.groups.layout.num_groups
         if voted is not None:
             senders = voted
@@ -240,6 +245,22 @@ class FederationEngine:
         fragments = tuple(range(self.state.fragments)) if every else (self._due_fragment(step),)
         context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups, keep_inner_state)
         return exchange(self.state, self.backend, shards, context, consensus)
+
+    def _ride(self, step: int, figures: Optional[GroupFigures], full: bool, membership: Membership,
+              peers: Peers, shards: list, keep_inner_state: Callable[[], None]) -> Exchanged:
+        """A blocking sync whose vote rides on its data (riding_vote.py): the vote's in-group round
+        here, then the exchange with the ballot on its first bucket."""
+        group, num_groups = self.groups.coords[0], self.groups.layout.num_groups
+        began = time.perf_counter()
+        ballot = Ballot.cast(step, shards, figures or GroupFigures(), group, num_groups, self.config.sick_loss_ratio,
+                             self.groups.federation, self._device_of(shards), self.metrics.sums)
+        self.vote_seconds += time.perf_counter() - began
+        kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
+        _slowed_link(step)
+        first = tuple(range(self.state.fragments)) if full else (self._due_fragment(step),)
+        done, self.vote = exchange_with_the_vote(self.state, self.backend, shards, ballot, first, membership.groups,
+                                                 group, peers, keep_inner_state)
+        return done
 
     def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:
         """Start a sync in the background (--fl-overlap-steps): it lands K steps later, and is

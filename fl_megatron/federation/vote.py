@@ -129,49 +129,102 @@ def _added(rows: list) -> Optional[list]:
     return [math.fsum(column) for column in zip(*rows)] if rows else None
 
 
+class Ballot:
+    """What one group brings to the vote of sync `step`, agreed by its ranks (the vote's in-group
+    round, made by `cast`): counted either over a collective of its own (`count`) or from a
+    payload that rides on the sync's first data all-reduce (`rider`, `counted_rider`)."""
+
+    def __init__(self, step: int, mine: torch.Tensor, group: int, num_groups: int, loss_ratio: float) -> None:
+        self.step, self.mine, self.group, self.num_groups, self.loss_ratio = step, mine, group, num_groups, loss_ratio
+
+    @staticmethod
+    def cast(step: int, shards: list[torch.Tensor], figures: GroupFigures, group: int, num_groups: int,
+             loss_ratio: float, federation_group, device_type: str, carried: Optional[list] = None) -> "Ballot":
+        """This group's ballot: a MAX over its ranks (its slowest rank's step time; every rank brings
+        the same tokens) and its ranks' `carried` metric sums added up (on the device: no host sync)."""
+        mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
+                             float(figures.healing), _slot(figures.tokens), _slot(figures.step_seconds),
+                             *_mode_slots(figures.tune_choice), *([-math.inf] * METRIC_SLOTS),
+                             float(figures.signalled), float(figures.timed_out), *_rank_sums(carried, federation_group)],
+                            dtype=torch.float64, device=device_type)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
+        ranks = mine[GROUP_SLOTS + 2:].view(-1, METRIC_SLOTS)  # every rank's carried sums, the same on each
+        if ranks.numel():  # the group's: their sum where every rank brought some
+            mine[GROUP_SLOTS - METRIC_SLOTS:GROUP_SLOTS] = torch.where((ranks == -math.inf).any(), -math.inf,
+                                                                       ranks.sum(0))
+        return Ballot(step, mine[:GROUP_SLOTS + 2], group, num_groups, loss_ratio)
+
+    @property
+    def sick_here(self) -> bool:
+        """Whether this group is sick by its own figures (non-finite shards or loss): it sends nothing."""
+        bad, loss = self.mine[:2].tolist()
+        return bad > 0 or loss == math.inf
+
+    def _table(self, fill: float) -> torch.Tensor:
+        """The table every group fills its own slots of (one block of num_groups per figure), the
+        others holding `fill`; the stop flags last."""
+        g, per_group = self.num_groups, GROUP_SLOTS
+        table = torch.full((per_group * g + 2,), fill, dtype=torch.float64, device=self.mine.device)
+        table[[k * g + self.group for k in range(per_group)]] = self.mine[:per_group]
+        table[per_group * g:] = self.mine[per_group:]
+        return table
+
+    def count(self, across, peer_call=call_directly) -> Vote:
+        """The vote, over a collective of its own: `across(tensor, op, call)` takes the MAX of the
+        table across the groups (-inf: another group's slot)."""
+        table = self._table(-math.inf)
+        across(table, dist.ReduceOp.MAX, peer_call)
+        return self._counted(table.tolist())
+
+    def rider(self) -> torch.Tensor:
+        """The table as an fp32 payload for a SUM across the groups: another group's slots hold 0,
+        so each slot sums to its owner's value exactly (-inf: absent, +inf: not finite); each
+        value as two fp32 numbers (high part, rest), so nothing is lost of its float64."""
+        table = self._table(0.0)
+        high = table.float()
+        rest = torch.where(torch.isfinite(high), table - high.double(), 0.0).float()
+        return torch.cat([high, rest])
+
+    def counted_rider(self, summed: torch.Tensor) -> Vote:
+        """The vote from the rider summed over every group of the meeting."""
+        high, rest = summed.double().chunk(2)
+        return self._counted((high + rest).tolist())
+
+    def _counted(self, values: list) -> Vote:
+        num_groups = self.num_groups
+        bad, losses, norms, healing, tokens, seconds, *rest = (values[k * num_groups:(k + 1) * num_groups]
+                                                               for k in range(GROUP_SLOTS))
+        modes, sums = rest[:MODE_SLOTS], rest[MODE_SLOTS:]
+        present = [g for g in range(num_groups) if sums[0][g] != -math.inf]
+        carried_sums = _added([[column[g] for column in sums] for g in present])
+        chosen = (_slots_mode([m[g] for m in modes]) for g in range(num_groups))
+        tune_choice = next((mode for mode in chosen if mode is not None), None)
+        sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
+        known = {g: v for g, v in enumerate(losses) if v != -math.inf}
+        if self.loss_ratio > 0:
+            finite = [v for g, v in known.items() if g not in sick]
+            if finite:
+                best = min(finite)
+                sick |= {g for g, v in known.items() if g not in sick and v > self.loss_ratio * best}
+        shown = lambda v: None if v == -math.inf else v  # noqa: E731
+        return Vote(self.step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
+                    values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0], tune_choice,
+                    [None if v == -math.inf else int(v) for v in tokens], [shown(v) for v in seconds], carried_sums)
+
+
 def take_vote(step: int, shards: list[torch.Tensor], figures: GroupFigures, group: int, num_groups: int,
               loss_ratio: float, federation_group, across, device_type: str, peer_call=call_directly,
               carried: Optional[list] = None) -> Vote:
-    """The vote of sync `step`. Sick: a non-finite value in any shard of the group, a non-finite
-    loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times the best group's. `across(
-    tensor, op, call)` reduces the group's table across the groups (`across_peer_group`, or
-    `ProcessGroups.reduce_across_groups`); its collective goes through `peer_call` (elastic mode:
-    the sync's PeerLatch). `carried`: this rank's metric sums of the previous sync, to add up over
-    the job (the vote's `carried_sums`; None where every rank brings none)."""
-    mine = torch.tensor([float(any_nonfinite(shards)), _slot(figures.loss), _slot(figures.grad_norm),
-                         float(figures.healing), _slot(figures.tokens), _slot(figures.step_seconds),
-                         *_mode_slots(figures.tune_choice), *([-math.inf] * METRIC_SLOTS), float(figures.signalled),
-                         float(figures.timed_out), *_rank_sums(carried, federation_group)],
-                        dtype=torch.float64, device=device_type)
-    # MAX inside the group: its slowest rank's step time (every rank brings the same tokens)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=federation_group)
-    per_group = GROUP_SLOTS  # slots each group fills, one block of num_groups per figure
-    ranks = mine[per_group + 2:].view(-1, METRIC_SLOTS)  # every rank's carried sums, the same on each
-    if ranks.numel():  # the group's: their sum where every rank brought some (on the device: no host sync)
-        mine[per_group - METRIC_SLOTS:per_group] = torch.where((ranks == -math.inf).any(), -math.inf, ranks.sum(0))
-    table = torch.full((per_group * num_groups + 2,), -math.inf, dtype=torch.float64, device=device_type)
-    table[[k * num_groups + group for k in range(per_group)]] = mine[:per_group]
-    table[per_group * num_groups:] = mine[per_group:per_group + 2]
-    across(table, dist.ReduceOp.MAX, peer_call)
-    values = table.tolist()
-    bad, losses, norms, healing, tokens, seconds, *rest = (values[k * num_groups:(k + 1) * num_groups]
-                                                           for k in range(per_group))
-    modes, sums = rest[:MODE_SLOTS], rest[MODE_SLOTS:]
-    present = [g for g in range(num_groups) if sums[0][g] != -math.inf]
-    carried_sums = _added([[column[g] for column in sums] for g in present])
-    chosen = (_slots_mode([m[g] for m in modes]) for g in range(num_groups))
-    tune_choice = next((mode for mode in chosen if mode is not None), None)
-    sick = {g for g in range(num_groups) if bad[g] > 0 or losses[g] == math.inf}
-    known = {g: v for g, v in enumerate(losses) if v != -math.inf}
-    if loss_ratio > 0:
-        finite = [v for g, v in known.items() if g not in sick]
-        if finite:
-            best = min(finite)
-            sick |= {g for g, v in known.items() if g not in sick and v > loss_ratio * best}
-    shown = lambda v: None if v == -math.inf else v  # noqa: E731
-    return Vote(step, sorted(sick), [shown(v) for v in losses], [shown(v) for v in norms],
-                values[-2] > 0, values[-1] > 0, [g for g in range(num_groups) if healing[g] > 0], tune_choice,
-                [None if v == -math.inf else int(v) for v in tokens], [shown(v) for v in seconds], carried_sums)
+    """The vote of sync `step`, in a collective of its own. Sick: a non-finite value in any shard
+    of the group, a non-finite loss, or (with `loss_ratio` > 0) a loss above `loss_ratio` times
+    the best group's. `across(tensor, op, call)` reduces the group's table across the groups
+    (`across_peer_group`, or `ProcessGroups.reduce_across_groups`); its collective goes through
+    `peer_call` (elastic mode: the sync's PeerLatch). `carried`: this rank's metric sums of the
+    previous sync, to add up over the job (the vote's `carried_sums`; None where every rank
+    brings none)."""
+    ballot = Ballot.cast(step, shards, figures, group, num_groups, loss_ratio, federation_group, device_type,
+                         carried)
+    return ballot.count(across, peer_call)
 
 
 @dataclass(frozen=True)
