@@ -123,6 +123,7 @@ class ShardAverager:
         self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
         self.buffers = BucketBuffers(keep=MAX_PACKED_IN_FLIGHT)  # packed buckets, kept between syncs on CPU
+        self._riding, self._senders = False, None  # an average with a rider: its senders, once it landed
 
     def can_carry(self, shards: list[torch.Tensor]) -> bool:
         """Whether an average of `shards` can carry a Rider: fp32 data summed by an all-reduce
@@ -173,11 +174,9 @@ class ShardAverager:
         pending: deque[_InFlight] = deque()
         packed_alive = 0
         left_out = contributors is not None and contributors != peers.size
-        # with a rider, how many send is known only when it lands: each sender's values are scaled
-        # by 1 / (the ranks of the SUM) as they are packed, so that the sum is the mean when every
-        # group sent; the rider's landing corrects every bucket where some did not
-        self._prescale = 1.0 / dist.get_world_size(peers.group) if rider is not None else None
-        self._correction: Optional[float] = None
+        # with a rider, how many send is known only when it lands: every bucket is a SUM, divided
+        # by the senders the landing counts (the same division the exact path's AVG makes)
+        self._riding, self._senders = rider is not None, None
         for index, chunk in enumerate(chunks):
             if not chunk.inplace and packed_alive >= MAX_PACKED_IN_FLIGHT:
                 packed_alive -= self._finish(pending.popleft(), flats, stats, sums, peers)
@@ -195,21 +194,14 @@ class ShardAverager:
                mixing: Optional[Round] = None, weight: Optional[float] = None,
                rider: Optional[Rider] = None) -> _InFlight:
         extra = rider.payload.numel() if rider is not None and not chunk.inplace else 0  # inside the buffer
-        scale = self._prescale if include else None  # scaled as packed (a left-out group's values, below)
         if chunk.inplace:
             seg = chunk.segments[0]
             buffer = flats[seg.index].narrow(0, seg.start, seg.length)
         else:
             padded = chunk.padded_length(self.split)
             buffer = self.buffers.take(flats[chunk.segments[0].index], padded + extra)
-            sources = [flats[s.index].narrow(0, s.start, s.length) for s in chunk.segments]
-            if scale is None:
-                torch.cat(sources, out=buffer.narrow(0, 0, chunk.length))
-            else:  # packed and scaled in one pass
-                offset = 0
-                for source in sources:
-                    torch.mul(source, scale, out=buffer.narrow(0, offset, source.numel()))
-                    offset += source.numel()
+            torch.cat([flats[s.index].narrow(0, s.start, s.length) for s in chunk.segments],
+                      out=buffer.narrow(0, 0, chunk.length))
             buffer.narrow(0, chunk.length, padded - chunk.length).zero_()  # the padding only
             if extra:  # the rider follows the data (no replica split: the region is the whole buffer)
                 buffer.narrow(0, padded, extra).copy_(rider.payload)
@@ -218,10 +210,6 @@ class ShardAverager:
         region = buffer.narrow(0, start, part + extra)
         valid = max(0, min(part, chunk.length - start))
         sample = sampled_blocks(region.narrow(0, 0, valid), stride).clone()
-        if chunk.inplace and scale is not None:  # the shard itself, scaled in place (the sum overwrites it)
-            region.narrow(0, 0, part).mul_(scale)
-        elif scale is not None:  # packed scaled: the sample as the values were
-            sample.div_(scale)
         weighted = weigh_(region.narrow(0, 0, part), include, weight, contributors, peers.size)
         if weighted is not None:  # a weighted mean: the weighted values summed, divided by the senders
             contributors = weighted
@@ -240,7 +228,7 @@ class ShardAverager:
             nbytes = peers.call(compressed_mean_, region, peers.group, self.sync_dtype, include=include,
                                 contributors=contributors, residual=residual) or 0
         else:
-            if self._prescale is not None:  # a rider's average: scaled senders (a left-out group: zeros)
+            if self._riding:  # a rider's average: a SUM (a left-out group sends zeros)
                 if not include:  # its data only: the rider rides on all the same
                     region.narrow(0, 0, part).zero_()
                 if rider is not None and not extra:  # an in-place bucket: the rider's sum beside it
@@ -273,11 +261,10 @@ class ShardAverager:
             peers.call(item.work.wait)
         for work in item.gossip_works:
             peers.call(work.wait)
-        if item.rider is not None:  # how many sent, from the rider: the scale's correction where not all
-            senders, ranks = item.rider.landed(item.rider.payload), round(1 / self._prescale)
-            self._correction = ranks / senders if senders != ranks else None
-        if self._correction is not None:
-            item.region.mul_(self._correction)
+        if item.rider is not None:  # how many sent, from the rider (none: the zeros stay zeros)
+            self._senders = max(item.rider.landed(item.rider.payload), 1)
+        if self._riding:
+            item.region.div_(self._senders)
         if item.mixing is not None:
             item.region.mul_(item.mixing.self_weight)
             for buf, (_, weight) in zip(item.received, item.mixing.receives):

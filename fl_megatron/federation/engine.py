@@ -242,7 +242,7 @@ class FederationEngine:
         choice = self.schedule.choose(consensus.relative if consensus else 0.0,
                                       full=full or bool(senders.sick) or switching)
         every = full or senders.sick or self.vote.joining or switching  # a healing group takes every fragment
-        fragments = tuple(range(self.state.fragments)) if every else (self._due_fragment(step),)
+        fragments = self._moving(step, every)
         context = ExchangeContext(step, senders, peers, choice, fragments, group, num_groups, keep_inner_state)
         return exchange(self.state, self.backend, shards, context, consensus)
 
@@ -254,12 +254,14 @@ class FederationEngine:
         began = time.perf_counter()
         ballot = Ballot.cast(step, shards, figures or GroupFigures(), group, num_groups, self.config.sick_loss_ratio,
                              self.groups.federation, self._device_of(shards), self.metrics.sums)
-        self.vote_seconds += time.perf_counter() - began
+        cast = time.perf_counter() - began
         kill_point("exchange", step, self.groups.rank)  # a test's peer lost after the vote, before data moves
         _slowed_link(step)
-        first = tuple(range(self.state.fragments)) if full else (self._due_fragment(step),)
-        done, self.vote = exchange_with_the_vote(self.state, self.backend, shards, ballot, first, membership.groups,
-                                                 group, peers, keep_inner_state)
+        issued = time.perf_counter()
+        done, self.vote, landed = exchange_with_the_vote(self.state, self.backend, shards, ballot,
+                                                         self._moving(step, full), membership.groups, group, peers,
+                                                         keep_inner_state)
+        self.vote_seconds += cast + landed - issued  # the wait for the slower groups ends where the ballot lands
         return done
 
     def _launch(self, step: int, figures: GroupFigures) -> Optional[SyncResult]:
@@ -295,6 +297,10 @@ class FederationEngine:
         """The fragment a scheduled sync after `step` moves (0 without fragments)."""
         c = self.config
         return (due_fragment(step, c.sync_interval, self.state.fragments) if c.syncing else None) or 0
+
+    def _moving(self, step: int, every: bool) -> tuple:
+        """The fragments a blocking sync after `step` averages: all of them, or the one due."""
+        return tuple(range(self.state.fragments)) if every else (self._due_fragment(step),)
 
     def _reported(self, fragments: tuple) -> tuple:
         """The fragments a sync moved, as reported (empty without --fl-fragments)."""

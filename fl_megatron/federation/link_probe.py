@@ -9,6 +9,7 @@ over the peer group, as every cross-group figure is), so every rank holds the sa
 `fl_megatron.cost_model.calibrate` turns them into the cost model's link speeds.
 """
 
+import contextlib
 import statistics
 import threading
 import time
@@ -119,13 +120,15 @@ def _compute(a: torch.Tensor, times: int, group=None) -> float:
     """`times` matrix products, each followed by a small all-reduce over `group` (a training
     step's own collectives inside its group); seconds."""
     talk = torch.zeros(IN_GROUP_ELEMENTS, device=a.device) if group is not None else None
+    if a.is_cuda:  # the loop's own stream only: an exchange on a stream of its own is not waited for
+        torch.cuda.current_stream(a.device).synchronize()
     start = time.perf_counter()
     for _ in range(times):
         a @ a
         if talk is not None:
             dist.all_reduce(talk, group=group)
     if a.is_cuda:
-        torch.cuda.synchronize(a.device)
+        torch.cuda.current_stream(a.device).synchronize()
     return time.perf_counter() - start
 
 
@@ -133,8 +136,9 @@ def overlap_interference(exchange_group, group, device: torch.device, bytes_per_
     """How much a training-like loop slows while an exchange runs beside it, as an overlapped sync
     does: matrix products with small all-reduces over the federation group, alone, then while a
     background thread all-reduces over the exchange's own communicator as many bytes as the links
-    carry in that time. The loop's extra time over its time beside the exchange (0: free, as NCCL
-    on its own stream nearly is; CPU ranks sharing cores lose much of it)."""
+    carry in that time (on CUDA on a stream of its own, each side timing its own stream). The
+    loop's extra time over its time beside the exchange (0: free, as NCCL on its own stream nearly
+    is; CPU ranks sharing cores lose much of it)."""
     a = torch.randn(256, 256, device=device)
     times = 4
     while _compute(a, times) < 0.05 and times < 1 << 14:
@@ -144,15 +148,22 @@ def overlap_interference(exchange_group, group, device: torch.device, bytes_per_
     elements = int(min(max(bytes_per_second * alone, 1 << 18), 64 << 20)) // 4
     buf = torch.ones(elements, device=device)
     box = {}
+    # on CUDA the exchange runs on a stream of its own, as an overlapped sync's does (overlap.py):
+    # its all-reduce then waits for nothing the loop enqueues, and each side syncs its own stream
+    stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))  # the buffer is written
 
     def exchange():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        began = time.perf_counter()
-        dist.all_reduce(buf, group=exchange_group)
-        if buf.is_cuda:
-            torch.cuda.synchronize(device)
-        box["seconds"] = time.perf_counter() - began
+        with contextlib.ExitStack() as on_device:
+            if stream is not None:
+                on_device.enter_context(torch.cuda.device(device))
+                on_device.enter_context(torch.cuda.stream(stream))
+            began = time.perf_counter()
+            dist.all_reduce(buf, group=exchange_group)
+            if stream is not None:
+                stream.synchronize()
+            box["seconds"] = time.perf_counter() - began
 
     dist.barrier(group=group)
     thread = threading.Thread(target=exchange, name="fl-probe")

@@ -1,10 +1,11 @@
 """A blocking sync whose vote rides on its data: one latency-bound round across the groups, the
 data's own (docs/architecture.md, "A sync"). The vote's in-group round tells each group whether it
 is sick by its own figures; a sick group sends zeros from the start, so none of its values reaches
-the sum. Every bucket is a SUM of values pre-scaled by 1 / (the ranks of the SUM), corrected by
-the senders the rider counts when the first bucket lands. A sick group found there makes every
-group average the other fragments too (the sick one is reset whole)."""
+the sum. Every bucket is a SUM divided by the senders the rider counts when the first bucket
+lands (where every group sent, the division the exact path's AVG makes). A sick group found
+there makes every group average the other fragments too (the sick one is reset whole)."""
 
+import time
 from typing import Callable, Optional
 
 import torch
@@ -38,11 +39,12 @@ def vote_can_ride(config: FederationConfig, state: SyncState, equal_groups: bool
 @torch.no_grad()
 def exchange_with_the_vote(state: SyncState, backend: ShardOwner, shards: list, ballot: Ballot,
                            first: tuple, members: tuple, group: int, peers: Peers,
-                           keep_inner_state: Callable[[], None] = lambda: None) -> tuple[Exchanged, Vote]:
+                           keep_inner_state: Callable[[], None] = lambda: None) -> tuple[Exchanged, Vote, float]:
     """Average the fragments `first` (all, or the one due) with the ballot riding on the first
     one's first bucket, then every other fragment if a group turned out sick; then the inner
-    state. Returns what was done and the vote counted from the rider. AllGroupsSick (after the
-    data moved: every group sent zeros) when no group was healthy."""
+    state. Returns what was done, the vote counted from the rider and when it landed (the host
+    clock: where this group stopped waiting for the slower ones). AllGroupsSick (after the data
+    moved: every group sent zeros) when no group was healthy."""
     include = not ballot.sick_here
     counted: dict = {}
 
@@ -52,7 +54,7 @@ def exchange_with_the_vote(state: SyncState, backend: ShardOwner, shards: list, 
         if senders.include != include:
             raise RuntimeError(f"the vote of step {ballot.step} counted group {group} as "
                                f"{'sick' if include else 'healthy'} against its own ballot")
-        counted.update(vote=vote, senders=senders)
+        counted.update(vote=vote, senders=senders, at=time.perf_counter())
         # the ranks of the SUM where every group sent; no sender at all: the zeros stay zeros
         return senders.contributors or dist.get_world_size(peers.group)
 
@@ -72,4 +74,4 @@ def exchange_with_the_vote(state: SyncState, backend: ShardOwner, shards: list, 
     settle_inner_state(state.settings.inner_state, backend, state.state_averager, stats, senders, peers,
                        group in senders.sick, moved[0] if len(moved) == 1 else None, state.fragments,
                        keep_inner_state)
-    return Exchanged(stats, senders.sick, None, Choice("complete"), moved, shards), vote
+    return Exchanged(stats, senders.sick, None, Choice("complete"), moved, shards), vote, counted["at"]
