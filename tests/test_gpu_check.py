@@ -145,11 +145,12 @@ def test_the_tuner_check_reads_the_interference_the_tuner_recorded(tmp_path):
     run = tmp_path / "tune"
     run.mkdir()
     trial = {"trial": {"step": 2}, "step_seconds": 0.1}
+    # a decision's record as the trainer writes it (tests/test_tune.py reads the same shape)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n" + json.dumps(
-        {"step": 4, "overlap_interference": 0.25, "overlap_interference_from": trial}) + "\n")
+        {"step": 4, "tune": {"overlap_interference": 0.25, "overlap_interference_from": trial}}) + "\n")
     got = one_gpu.tuner_interference(run)
     assert got.problem == "" and got.figures["overlap_interference"] == 0.25 and "25%" in got.text
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "overlap_interference": 1.5}) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "tune": {"overlap_interference": 1.5}}) + "\n")
     assert "not a fraction" in one_gpu.tuner_interference(run).problem
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
     assert "no tuning record" in one_gpu.tuner_interference(run).problem

@@ -78,8 +78,10 @@ def test_the_first_choice_times_a_step_beside_a_trial_exchange_at_half_the_first
     the only cross-group traffic before the first sync, and the first choice says it used it."""
     from fl_megatron.costs import wire_bytes_per_element
 
+    # a step estimated at 10 s (--compute-seconds): the syncs are cheap beside it, so the first
+    # choice before step 1 keeps the exact fp32 average, and the trial's bytes are alone before step 8
     flags = [*SGD, "--train-iters", "10", "--fl-group-size", "2", "--fl-sync-interval", "8", "--fl-tune",
-             "--log-interval", "1"]
+             "--log-interval", "1", "--compute-seconds", "10"]
     run = launch(4, tmp_path / "run", tmp_path / "cache", *flags)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = _records(tmp_path / "run")
@@ -91,6 +93,12 @@ def test_the_first_choice_times_a_step_beside_a_trial_exchange_at_half_the_first
     assert params / 2 <= source["trial"]["elements"] <= params / 2 * 1.02, (params, source)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["link_probe"]["overlap_interference"] == 0.0  # the trial replaced the probe's loop
+    # the first choice before step 1, from the probe and the estimated compute time: fp32 at H = 8
+    start, first = config["fl_tune_start"], next(r for r in records if "tune" in r)["tune"]
+    assert "fl-tune before step 1" in run.stdout and start["estimated_step_seconds"] == 10.0, start
+    assert start["label"] == first["label"] or first["switched"], (start, first)
+    assert start["mode"] == {"sync_dtype": "fp32", "overlap_steps": 0, "fragments": 1, "sync_interval": 8,
+                             "error_feedback": False}, start
     # group 0's records (rank 0's ledger) of every step before the sync
     group = [json.loads(line) for line in (tmp_path / "run" / "groups" / "group_00000.jsonl").read_text().splitlines()]
     with_bytes = {r["step"]: r["inter_group_bytes"] for r in group}

@@ -85,9 +85,8 @@ class Trainer:
             time.sleep(pause)
         lr = learning_rate(rounds.position() if rounds else step, t)  # per-group counts: the federation's tokens
         trial = self.tuning.before_step(done, self.engine)
-        began = time.perf_counter()
         loss, norm, lr = self.traffic.measured(self.traffic.step, lambda: self._train_step(step, lr))
-        self.tuning.after_step(trial, time.perf_counter() - began)
+        self.tuning.after_step(trial)
         at, due = done, None  # the sync's step, and whether one follows (None: the engine's schedule)
         if rounds:
             rounds.stepped()

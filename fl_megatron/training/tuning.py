@@ -69,6 +69,7 @@ class SyncTuner:
         self.calibrated = False  # whether measured syncs corrected the probed link speed yet
         self.syncs_since_check = 0
         self.last_record: Optional[dict] = None  # the last decision, for metrics.jsonl
+        self.start_choice: Optional[dict] = None  # the choice before step 1 (one world), for config.json
 
     # --- what the run measured ------------------------------------------------------------
     def observe_step(self, seconds: float) -> None:
@@ -110,6 +111,22 @@ class SyncTuner:
         self.syncs_since_check += 1
 
     # --- deciding -------------------------------------------------------------------------
+    def choose_at_start(self, now: SyncMode) -> SyncMode:
+        """Before step 1 (one world): a first choice from the probed links and the compute time
+        the dry run estimates (--compute-seconds, else FLOPs at --mfu of --peak-tflops), so that no
+        interval runs in a mode the probe already rules out. The first sync refines it with the
+        measured step time (its decision is still the first choice). The same on every rank: the
+        probe's figures are the job's, the estimate the config's. Returns the mode to start in."""
+        compute_s = workload_for(self.run, counts=self.counts).compute_seconds
+        choice = self._choose(compute_s)
+        mode = choice.chosen.mode
+        self.say(f"  fl-tune before step 1: from the probed links and the estimated compute time ({compute_s:.3g} s "
+                 f"a step), {'starting in' if mode != now else 'keeping'} " + choice.text()
+                 + "\n    (the first sync chooses again from the measured steps)")
+        self.start_choice = {"mode": mode.fields(), "label": mode.label(), "estimated_step_seconds": compute_s,
+                             "predicted_tokens_per_s": choice.chosen.tokens_per_s}
+        return mode
+
     def decide(self, step: int, now: SyncMode) -> Optional[SyncMode]:
         """At a due sync after `step`, in mode `now`: the new mode when it should change (this sync
         then averages every fragment and blocks, and the caller switches after it), else None.

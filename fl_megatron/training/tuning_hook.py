@@ -13,14 +13,16 @@ from ..cost_model.network import Cluster
 from ..federation import SyncResult
 from ..federation.link_probe import probe_links
 from .run_files import RunFiles
+from .step_clock import StepClock
 from .tuning import SyncTuner, probe_line, resumed_choice, trial_step
 
 
 class TuningHook:
     """The tuner's calls from the loop (`tuner` None: --fl-tune is off, nothing happens)."""
 
-    def __init__(self, tuner: Optional[SyncTuner]) -> None:
+    def __init__(self, tuner: Optional[SyncTuner], device=None) -> None:
         self.tuner = tuner
+        self.clock = StepClock(device) if tuner is not None else None  # the step as the device ran it
 
     @property
     def by_vote(self) -> bool:
@@ -34,13 +36,19 @@ class TuningHook:
             self.tuner.load_state(state)
 
     def before_step(self, done: int, engine) -> Optional[Future]:
-        """Before optimizer step `done`: the trial exchange started beside it, if this is its step."""
-        return self.tuner.start_trial(done, engine) if self.tuner is not None else None
+        """Before optimizer step `done`: the trial exchange started beside it, if this is its step;
+        the step's clock started."""
+        if self.tuner is None:
+            return None
+        trial = self.tuner.start_trial(done, engine)
+        self.clock.start()
+        return trial
 
-    def after_step(self, trial: Optional[Future], seconds: float) -> None:
-        """The step took `seconds` (beside the trial exchange, if one ran)."""
+    def after_step(self, trial: Optional[Future]) -> None:
+        """The step just taken (beside the trial exchange, if one ran), timed by the step's clock."""
         if self.tuner is None:
             return
+        seconds = self.clock.seconds()
         if trial is not None:
             self.tuner.end_trial(trial, seconds)
         else:
@@ -103,7 +111,8 @@ def start_tuning(run: ResolvedRun, probe_scope: Optional[str], groups, files: Ru
                  say: Callable[[str], None]) -> tuple[TuningHook, dict, Optional[SyncMode]]:
     """The start-up link probe (`probe_scope` "job": every tier; "group": the group's own links,
     in elastic mode; None: none), its line in the banner and config.json, and with --fl-tune the
-    tuner: (the hook, the tuner's resumed state, the mode a resumed checkpoint chose or None)."""
+    tuner: (the hook, the tuner's resumed state, the mode to start in: the one a resumed checkpoint
+    chose, else in one world the tuner's first choice before step 1; None: the configured one)."""
     fed = run.cfg.federation
     if probe_scope is None:
         return TuningHook(None), {}, None
@@ -114,11 +123,15 @@ def start_tuning(run: ResolvedRun, probe_scope: Optional[str], groups, files: Ru
     probe = probe_links(groups, device, codecs, overlap, across_groups=across)
     cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
     say(probe_line(probe, cluster))
-    files.write_config(config_to_json(run.cfg, {"link_probe": {**probe.to_dict(),
-                                                               "dry_run_flags": dry_run_flags(cluster)}}))
-    if not fed.tune:
-        return TuningHook(None), {}, None
-    mode, state = resumed_choice(run.cfg.checkpoint)
-    if mode is not None:
-        say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {mode.label()}")
-    return TuningHook(SyncTuner(run, groups, probe, say, device, by_vote=not across)), state, mode
+    extras = {"link_probe": {**probe.to_dict(), "dry_run_flags": dry_run_flags(cluster)}}
+    tuner, mode, state = None, None, {}
+    if fed.tune:
+        tuner = SyncTuner(run, groups, probe, say, device, by_vote=not across)
+        mode, state = resumed_choice(run.cfg.checkpoint)
+        if mode is not None:
+            say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {mode.label()}")
+        elif across:  # one world: the groups agreed the probe, so each rank makes the same first choice now
+            mode = tuner.choose_at_start(fed.mode)
+            extras["fl_tune_start"] = tuner.start_choice
+    files.write_config(config_to_json(run.cfg, extras))
+    return TuningHook(tuner, device), state, mode

@@ -172,14 +172,15 @@ def two_groups_on_one_gpu(name: str, *flags: str, judge=None, identical: bool = 
 
 def tuner_interference(run_dir: Path) -> Outcome:
     """The tuner's record: the interference it measured (a trial step beside a trial exchange)."""
-    records = [r for path in sorted(run_dir.rglob("*.jsonl")) for r in common.read_records(path)
-               if "overlap_interference" in r]
+    # a decision's figures are under its record's "tune" (docs/metrics.md)
+    records = [r["tune"] for path in sorted(run_dir.rglob("*.jsonl")) for r in common.read_records(path)
+               if "overlap_interference" in r.get("tune", {})]
     if not records:
         return Outcome("no tuning record with overlap_interference in the run's metrics")
     last = records[-1]
     value = last["overlap_interference"]
     figures = {k: last.get(k) for k in ("overlap_interference", "overlap_interference_from", "measured_step_seconds",
-                                        "choice", "mode") if k in last}
+                                        "label", "mode") if k in last}
     if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
         return Outcome(f"overlap_interference {value!r} is not a fraction", figures)
     source = last.get("overlap_interference_from")
