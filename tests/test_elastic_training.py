@@ -20,6 +20,8 @@ groups meeting only at syncs (tools/elastic_launch.py).
   averaged inner moments): a peer lost in the exchange of a launch; the survivors vote the landing
   down, never restart, and all groups end identical; on fsdp2 with --async-save (DeepSpeed and
   megatron in `make test-heavy`).
+- Groups of 2 and 1 ranks: with their own step counts, and with 2 fragments and an overlapped
+  sync (DeepSpeed in `make test-heavy`), a rank of the 2-rank group killed; it heals across sizes.
 - A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
@@ -466,6 +468,17 @@ def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_on
         assert sorted(p.name for p in own.glob("iter_*")) == ["iter_0000004", "iter_0000008"]
 
 
+def _one_world_2_and_1(run_dir: Path, extra: tuple, steps: int) -> list:
+    """Each group's loss by step in the one-world run of groups of 2 and 1 ranks with `extra`, of
+    `steps` steps stopped at the sync after step 8 (the same learning-rate schedule)."""
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                    "-m", "fl_megatron.pretrain", *COMMON, *extra, "--train-iters", str(steps), "--exit-interval", "8",
+                    "--save", str(run_dir / "ckpt"), "--fl-group-sizes", "2,1", "--ranks-per-node", "3",
+                    "--run-dir", str(run_dir)],
+                   env=_env(), check=True, capture_output=True, timeout=300)
+    return [{r["step"]: r["loss"] for r in _records(run_dir / "groups" / f"group_{g:05d}.jsonl")} for g in range(2)]
+
+
 @pytest.mark.parametrize("inner", [pytest.param((), id="fsdp"),
                                    pytest.param(("--fl-hsdp-shard-sizes", "1,1"), id="hsdp", marks=HEAVY)])
 def test_groups_of_2_and_1_ranks_with_their_own_step_counts_heal_across_sizes(tmp_path, inner):
@@ -508,13 +521,47 @@ def test_groups_of_2_and_1_ranks_with_their_own_step_counts_heal_across_sizes(tm
                  "[group 1] step 10: group(s) 0 healed from the live group(s) 1"):
         assert line in shown, (line, shown[-3000:])
     # before the kill, exactly the one-world run of the same groups (stopped at the sync after step 8)
-    one_world = tmp_path / "one_world"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                    "-m", "fl_megatron.pretrain", *COMMON, *extra, "--train-iters", str(steps), "--exit-interval", "8",
-                    "--save", str(one_world / "ckpt"), "--fl-group-sizes", "2,1", "--ranks-per-node", "3",
-                    "--run-dir", str(one_world)],
-                   env=_env(), check=True, capture_output=True, timeout=300)
+    refs = _one_world_2_and_1(tmp_path / "one_world", extra, steps)
     for g, last in ((0, 5), (1, 4)):
-        ref = {r["step"]: r["loss"] for r in _records(one_world / "groups" / f"group_{g:05d}.jsonl")}
+        ref = refs[g]
         for step in range(1, last + 1):
             assert abs(own[g][step]["loss"] - ref[step]) <= 1e-6, (g, step, own[g][step]["loss"], ref[step])
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("deepspeed", marks=HEAVY)])
+def test_groups_of_2_and_1_ranks_heal_across_sizes_in_an_overlapped_fragment_sync(tmp_path, backend):
+    """Groups of unequal size with the slow-link mode (nesterov, int8 + error feedback, 2
+    fragments, overlap 1): rank 1 of the 2-rank group dies in the exchange of the launch after
+    step 8; the 1-rank group votes the landing down and goes on alone; the 2-rank group restarts
+    and heals from it at the sync after step 10, each fragment's anchors and momenta re-cut atom by
+    atom over that fragment's window of the model (a heal that skipped a fragment's outer state
+    ends with another model). After the heal and the last sync both hold the same model; before
+    the kill both train exactly as the one-world run of the same groups."""
+    steps, run = 16, tmp_path / "run"
+    mode = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback",
+            "--fl-fragments", "2", "--fl-overlap-steps", "1")
+    _elastic(run, steps, min_groups=1, fault="kill:exchange:8:1,delay:1:9:25", max_restarts=1, groups=2, ranks="2,1",
+             extra=mode + ("--backend", backend, "--fl-peer-timeout-seconds", "20"))
+    summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(2)]
+    assert summaries[1]["first_step"] == 1 and summaries[1]["elastic"]["healed_at_step"] is None
+    assert summaries[1]["elastic"]["failed_syncs"] == 1
+    assert summaries[0]["elastic"]["healed_at_step"] == 10 and summaries[0]["first_step"] == 11
+    syncs = [_syncs(run, g) for g in range(2)]
+    assert syncs[1][9]["sync_committed"] is False and syncs[1][7]["fragments"] == [0]
+    assert syncs[1][10]["healed_groups"] == [0] == syncs[0][10]["healed_groups"]
+    for step in (10, steps):  # a full sync of both fragments: the same model, cut in 2 and in 1
+        assert syncs[1][step]["fragments"] == [0, 1], syncs[1][step]
+        assert syncs[0][step]["model_fingerprint"] == syncs[1][step]["model_fingerprint"], step
+    # the healed group took the 1-rank group's inner moments; from then on each trains its own
+    assert syncs[0][10]["optimizer_fingerprint"] == syncs[1][10]["optimizer_fingerprint"]
+    assert syncs[0][steps]["optimizer_fingerprint"] != syncs[1][steps]["optimizer_fingerprint"]
+    # between them an overlapped landing leaves each group its own progress since the launch
+    assert syncs[0][13]["model_fingerprint"] != syncs[1][13]["model_fingerprint"]
+    assert [s["last_step"] for s in summaries] == [steps] * 2
+    if backend != "fsdp2":
+        return
+    for g, ref in enumerate(_one_world_2_and_1(tmp_path / "one_world", mode, steps)):
+        own = _losses(run, g)
+        assert sorted(ref) == list(range(1, 9))
+        for step in ref:
+            assert abs(own[step] - ref[step]) <= 1e-6, (g, step, own[step], ref[step])

@@ -1,7 +1,7 @@
 """Elastic groups of unequal size, below the engine: the atom communicators one quorum makes on its
 store (no common world: torchft's process-group wrapper under a prefix of the quorum and the
-tuple), the average over them, a heal's copy across group sizes, and the model fingerprint that
-does not depend on the cut.
+tuple), the average over them, a heal's copy across group sizes (whole shards, and one fragment's
+window of them), and the model fingerprint that does not depend on the cut.
 
 Three processes: group 0 of 2 ranks and group 1 of 1 rank, FSDP2's row cut of four tensors
 (uneven ones included); group 0 is FSDP over 2, or HSDP with 2 replicas of 1 shard (each replica
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.atom_plan import groups_from_sizes, plan_for_shapes
-from fl_megatron.federation.atom_average import AtomAverager
+from fl_megatron.federation.atom_average import AtomAverager, fragment_windows, window_views
 from fl_megatron.federation.atom_transfer import copy_across_groups_
 from fl_megatron.federation.fingerprint import group_fingerprint, shard_fingerprints
 from fl_megatron.launching.ports import free_port
@@ -34,6 +34,20 @@ def _full(group: int, salt: int = 0) -> list:
 
 def _cut(plan, rank: int, full: list) -> list:
     return [t.reshape(-1)[slice(*plan.shard_range(rank, i))].clone() for i, t in enumerate(full)]
+
+
+def _window_from(window: tuple, group: int) -> list:
+    """Group `group`'s full tensors (salt 4) with the elements inside `window` (over all tensors
+    as one flat sequence) taken from group 1's."""
+    out, offset = [], 0
+    for mine, theirs in zip(_full(group, 4), _full(1, 4)):
+        flat, lo = mine.reshape(-1).clone(), offset
+        a, b = max(window[0] - lo, 0), min(window[1] - lo, flat.numel())
+        if a < b:
+            flat[a:b] = theirs.reshape(-1)[a:b]
+        out.append(flat.view_as(mine))
+        offset += flat.numel()
+    return out
 
 
 def _worker(rank: int, world: int, port: int, shards: tuple) -> dict:
@@ -69,6 +83,13 @@ def _worker(rank: int, world: int, port: int, shards: tuple) -> dict:
     streams = [_cut(plan, rank, _full(group, 3))]
     out["sent_0"] = copy_across_groups_(plan, rank, atoms.communicators, streams, 0, [1], (0, 1))
     out["copied_0"] = all(torch.equal(s, r) for s, r in zip(streams[0], _cut(plan, rank, _full(0, 3))))
+    # a fragment's state (the views of its window over the model's elements): only the window
+    # travels, into the same elements of the receiver's own cut; the rest stays its own
+    window = fragment_windows(plan, 2)[1]
+    stream = _cut(plan, rank, _full(group, 4))
+    out["sent_window"] = copy_across_groups_(plan, rank, atoms.communicators, [window_views(plan, rank, stream, window)],
+                                             1, [0], (0, 1), bucket_bytes=12, replica_group=replicas, window=window)
+    out["copied_window"] = all(torch.equal(s, r) for s, r in zip(stream, _cut(plan, rank, _window_from(window, group))))
     dist.barrier()
     atoms.close()
     del store_server
@@ -80,13 +101,14 @@ def test_quorum_atoms_average_copy_across_sizes_and_fingerprint(shards):
     results = run_ranks(3, _worker, free_port(), shards, timeout=240)
     for rank, r in enumerate(results):
         assert r["made"] and not r["again"] and r["remade"], r  # the same quorum and groups: kept
-        assert r["average"] and r["copied_1"] and r["copied_0"], (rank, r)
+        assert r["average"] and r["copied_1"] and r["copied_0"] and r["copied_window"], (rank, r)
     # the 1-rank group's rank owns every element: it is in a communicator with each rank of group 0
     assert results[2]["sizes"] == [2, 2] and results[0]["sizes"] == results[1]["sizes"] == [2]
     # bytes: the sender sends each element of each stream once (4 bytes), the receivers nothing
     elements = sum(torch.Size(s).numel() for s in SHAPES)
     assert [r["sent_1"] for r in results] == [0, 0, 2 * elements * 4]
     assert results[0]["sent_0"] + results[1]["sent_0"] == elements * 4 and results[2]["sent_0"] == 0
+    assert [r["sent_window"] for r in results] == [0, 0, (elements - elements // 2) * 4]  # the second half
     # the fingerprint: one value per model whatever its cut; after the copy group 0 holds group 1's
     assert len({r["fingerprint_mean"] for r in results}) == 1
     before = [r["fingerprints"][0] for r in results]

@@ -25,8 +25,9 @@ from .common import InitialValues, SavesInTheForeground, flat_elements, own_sing
 from .deepspeed_checks import within_group
 from .deepspeed_layout import CHECKPOINT_TAG
 from .pickle_guard import check_deepspeed_dir
-from .optimizer import (build_optimizer, forget_state, load_transfer_state_tensors, parameter_groups,
-                        set_learning_rate, state_tensors, step_at_zero_lr, transfer_state_tensors)
+from .optimizer import (build_optimizer, forget_state, has_state, load_transfer_state_tensors, parameter_groups,
+                        set_learning_rate, split_transfer_state, state_tensors, step_at_zero_lr,
+                        transfer_state_tensors)
 
 MIN_VERSION = (0, 19, 8)
 
@@ -240,6 +241,19 @@ class DeepSpeedBackend(SavesInTheForeground):
         masters = list(self.optimizer.fp32_partitioned_groups_flat)
         load_transfer_state_tensors(self.optimizer.optimizer, masters, [t.to(masters[0].device) for t in tensors],
                                     materialise=self._materialise_optimizer_state)
+
+    def atom_optimizer_state(self, make: bool = False) -> tuple[list, list]:
+        """The inner optimizer's state for a heal between groups of unequal size (as FSDP2's): its
+        moments as streams of every parameter's valid elements in `atom_cut`'s order (views into
+        the moments of the flat partitions, cut as `atom_shards` cuts the masters), and the rest
+        (step counts) whole; both empty before the first step. `make`: a receiver without state
+        makes it first, as DeepSpeed steps it, at learning rate 0."""
+        inner, masters = self.optimizer.optimizer, list(self.optimizer.fp32_partitioned_groups_flat)
+        if make and not has_state(inner, masters):
+            self._materialise_optimizer_state()
+        flats, rest = split_transfer_state(inner, masters)
+        spans = [(i, offset, valid) for i, _, offset, _, valid in self._param_spans()]
+        return [[flat[i].narrow(0, offset, valid) for i, offset, valid in spans] for flat in flats], rest
 
     @torch.no_grad()
     def _materialise_optimizer_state(self) -> None:

@@ -402,18 +402,6 @@ class FederationConfig:
         for name, values in (("hsdp_shard_sizes", shards), ("group_ranks_per_node", nodes or sizes)):
             if len(values) != len(sizes):
                 errors.append(f"{name} has {len(values)} values for {len(sizes)} groups: give one per group")
-        if self.elastic:
-            errors += self._elastic_unequal_errors()
-        return errors
-
-    def _elastic_unequal_errors(self) -> list[str]:
-        """What elastic groups of unequal size refuse yet, with the reason (docs/heterogeneous.md)."""
-        errors = []
-        for name, value, why in (("fragments", self.fragments > 1, "fragment syncs"),
-                                 ("overlap_steps", self.overlap_steps > 0, "overlapped syncs")):
-            if value:
-                errors.append(f"{name} in elastic mode with group_sizes: {why} of elastic groups of unequal size "
-                              "are not built yet")
         return errors
 
     def _per_group_steps_errors(self) -> list[str]:

@@ -22,9 +22,11 @@ def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: Chec
         problems.append("tune: its probe and trial exchange time a peer group, which groups of unequal size lack")
     if fed.inner_state == "average":
         problems.append("inner_state average: the inner moments would need the atom plan of the optimizer's state")
-    if fed.elastic and backend != "fsdp2":
-        problems.append(f"backend {backend} in elastic mode: its shards' ranges are gathered across the groups at "
-                        "start-up, which elastic groups (separate jobs) cannot do before they meet; use fsdp2")
+    if fed.elastic and backend == "megatron":
+        problems.append("backend megatron in elastic mode: its distributed optimizer's buckets place each "
+                        "parameter's elements by its own rules, so every group's ranges are gathered across the "
+                        "groups at start-up, which elastic groups (separate jobs) cannot do before they meet; use "
+                        "fsdp2 or deepspeed")
     if checkpoint.save and checkpoint.ckpt_mode == "compact":
         problems.append("ckpt_mode compact: it saves group 0's state for every group, whose shards differ here")
     return problems

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..atom_plan import AtomPlan
+from ..federation.atom_average import fragment_windows
 from ..federation.atom_transfer import copy_across_groups_
 from ..federation.failed_collective import PeerLatch, call_directly
 from ..federation.outer import OUTER_STATE_PREFIX
@@ -38,7 +39,7 @@ class HealAcrossSizes:
         collective): the position and every small piece of state, as host copies."""
         s = self.state
         streams, rest = s.backend.atom_optimizer_state()
-        engine_streams, engine_scalars = _engine_split(_carried(s.engine.state_tensors()), len(self.plan.numels))
+        engine_streams, engine_scalars = self._engine_split()
         return {**s.position(), "mode": s.engine.mode.fields(), "optimizer": bool(streams),
                 "optimizer_rest": [t.detach().to("cpu", copy=True) for t, _ in rest],
                 "engine_streams": sorted(engine_streams),
@@ -66,14 +67,18 @@ class HealAcrossSizes:
         s = self.state
         streams = [s.backend.atom_shards()] if at_start else []
         streams += s.backend.atom_optimizer_state()[0]
-        engine_streams, _ = _engine_split(_carried(s.engine.state_tensors()), len(self.plan.numels))
-        streams += [engine_streams[key] for key in sorted(engine_streams)]
+        engine_streams, _ = self._engine_split()
         # a source goes on whatever happens to the healing group: a rank of it lost during the copy
         # (it restarts and heals again) is remembered, the rest of the copy skipped; the next
         # sync's vote then tells every live group (a receiver's own failure ends its job)
         call = PeerLatch() if group == source else call_directly
-        sent = copy_across_groups_(self.plan, self.rank, self.atoms.communicators, streams, source, healing, live,
-                                   self.bucket_bytes, self.replica_group, call)
+        copy = dict(plan=self.plan, rank=self.rank, communicators=self.atoms.communicators, source=source,
+                    receivers=healing, live=live, bucket_bytes=self.bucket_bytes, replica_group=self.replica_group,
+                    call=call)
+        sent = copy_across_groups_(streams=streams, **copy)
+        windows = self._windows()
+        for fragment, key in sorted(engine_streams):  # each fragment's state holds its window of the shards
+            sent += copy_across_groups_(streams=[engine_streams[fragment, key]], window=windows[fragment], **copy)
         if group in healing:
             s.backend.refresh_after_sync()
         return sent
@@ -99,14 +104,28 @@ class HealAcrossSizes:
             s.backend.reset_optimizer_state()
         mine = _carried(s.engine.state_tensors())
         if taken["engine_streams"] or taken["engine_scalars"]:
-            anchors = [mine[f"{OUTER_STATE_PREFIX}anchor.{i}"] for i in range(len(self.plan.numels))]
-            shaped = {f"{OUTER_STATE_PREFIX}{_stream_name(key, i)}": torch.empty_like(anchor)
-                      for key in taken["engine_streams"] for i, anchor in enumerate(anchors)}
-            device = anchors[0].device if anchors else "cpu"
+            count = len(self.plan.numels)
+            shaped = {_stream_name(fragment, key, i, self._fragments): torch.empty_like(
+                mine[_stream_name(fragment, "anchor", i, self._fragments)])
+                for fragment, key in taken["engine_streams"] for i in range(count)}
+            device = next(iter(mine.values())).device if mine else "cpu"
             s.engine.load_state_tensors({**shaped, **{k: v.to(device) for k, v in taken["engine_scalars"].items()}})
         s.engine.forget_residuals()
         s.take_position(taken)
         return taken["at_start"]
+
+
+    @property
+    def _fragments(self) -> int:
+        return self.state.engine.mode.fragments
+
+    def _windows(self) -> list:
+        """Each fragment's window over the model's elements (None: one fragment, whole shards)."""
+        return fragment_windows(self.plan, self._fragments) if self._fragments > 1 else [None]
+
+    def _engine_split(self) -> tuple[dict, dict]:
+        """This rank's carried engine state split as `_engine_split` says, for its fragments."""
+        return _engine_split(_carried(self.state.engine.state_tensors()), len(self.plan.numels), self._fragments)
 
 
 def _carried(tensors: dict) -> dict:
@@ -114,25 +133,35 @@ def _carried(tensors: dict) -> dict:
     return {k: v for k, v in tensors.items() if not is_residual(k)}
 
 
-def _stream_name(key: str, i: int) -> str:
-    """The engine state's name of stream `key` ("anchor", or an outer optimizer key) for tensor `i`."""
-    return f"anchor.{i}" if key == "anchor" else f"state.{i}.{key}"
+def _stream_name(fragment: int, key: str, i: int, fragments: int) -> str:
+    """The engine state's name (SyncState.state_tensors) of stream `key` ("anchor", or an outer
+    optimizer key) of fragment `fragment` for tensor `i`."""
+    return _outer_prefix(fragment, fragments) + (f"anchor.{i}" if key == "anchor" else f"state.{i}.{key}")
 
 
-def _engine_split(tensors: dict, count: int) -> tuple[dict, dict]:
-    """The engine's carried state as (streams by key: each tensor's anchor-shaped state, in the
-    plan's order; the rest by name: the outer optimizer's step counts)."""
-    prefix = OUTER_STATE_PREFIX
-    if f"{prefix}anchor.0" not in tensors:
-        if tensors:
-            raise ValueError(f"engine state without anchors cannot be cut across group sizes: {sorted(tensors)[:3]}")
+def _outer_prefix(fragment: int, fragments: int) -> str:
+    """Where fragment `fragment`'s outer state starts in the engine state's names."""
+    return (f"fragment{fragment}." if fragments > 1 else "") + OUTER_STATE_PREFIX
+
+
+def _engine_split(tensors: dict, count: int, fragments: int = 1) -> tuple[dict, dict]:
+    """The engine's carried state as (streams by (fragment, key): each tensor's anchor-shaped
+    state in the plan's order, a fragment's over its window of the shards; the rest by name: the
+    outer optimizer's step counts)."""
+    if not tensors:
         return {}, {}
-    anchors = [tensors[f"{prefix}anchor.{i}"] for i in range(count)]
-    keys = {name.split(".", 3)[3] for name in tensors if name.startswith(f"{prefix}state.")}
-    streams = {"anchor": anchors}
-    for key in sorted(keys):
-        values = [tensors.get(f"{prefix}{_stream_name(key, i)}") for i in range(count)]
-        if all(v is not None and v.shape == a.shape for v, a in zip(values, anchors)):
-            streams[key] = values
-    inside = {f"{prefix}{_stream_name(key, i)}" for key in streams for i in range(count)}
+    if _stream_name(0, "anchor", 0, fragments) not in tensors:
+        raise ValueError(f"engine state without anchors for {fragments} fragment(s) cannot be cut across group "
+                         f"sizes: {sorted(tensors)[:3]}")
+    streams = {}
+    for fragment in range(fragments):
+        anchors = [tensors[_stream_name(fragment, "anchor", i, fragments)] for i in range(count)]
+        state = _outer_prefix(fragment, fragments) + "state."
+        keys = {name[len(state):].split(".", 1)[1] for name in tensors if name.startswith(state)}
+        streams[fragment, "anchor"] = anchors
+        for key in sorted(keys):
+            values = [tensors.get(_stream_name(fragment, key, i, fragments)) for i in range(count)]
+            if all(v is not None and v.shape == a.shape for v, a in zip(values, anchors)):
+                streams[fragment, key] = values
+    inside = {_stream_name(fragment, key, i, fragments) for fragment, key in streams for i in range(count)}
     return streams, {k: v for k, v in tensors.items() if k not in inside}

@@ -90,6 +90,12 @@ def window_views(plan: AtomPlan, rank: int, shards: List[torch.Tensor],
     return views
 
 
+def window_lengths(plan: AtomPlan, rank: int, window: Optional[Tuple[int, int]]) -> List[int]:
+    """The length of each view `window_views` gives `rank` (None: its whole shards)."""
+    return [hi - lo for lo, hi in (_clip(plan.shard_range(rank, t), w)
+                                   for t, w in enumerate(tensor_windows(plan, window)))]
+
+
 def pieces_by_tuple(plan: AtomPlan, rank: int, windows: Optional[List[Tuple[int, int]]] = None
                     ) -> Dict[Tuple[int, ...], List[Piece]]:
     """`rank`'s atoms as pieces of its shards (of `windows`' views, see `window_views`), by owner

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..atom_plan import AtomPlan
-from .atom_average import buckets, pack, pieces_by_tuple, replica_slice_buckets, share_replica_slices_, unpack
+from .atom_average import (buckets, pack, pieces_by_tuple, replica_slice_buckets, share_replica_slices_,
+                           tensor_windows, unpack, window_lengths)
 from .failed_collective import call_directly, has_failed
 
 
@@ -24,7 +25,7 @@ from .failed_collective import call_directly, has_failed
 def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]],
                         streams: Sequence[List[torch.Tensor]], source: int, receivers: Sequence[int],
                         live: Sequence[int], bucket_bytes: int = 32 << 20, replica_group=None,
-                        call=call_directly) -> int:
+                        call=call_directly, window: Optional[Tuple[int, int]] = None) -> int:
     """Make each receiving group's `streams` equal the `source` group's, in place (collective over
     the live groups' ranks, every one calling it with the same arguments but its own `streams`).
     A stream is one state of every tensor of the plan (e.g. the first Adam moments): this rank's
@@ -32,8 +33,10 @@ def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int
     order of `communicators`' members). `replica_group`: this rank's HSDP replicas, where a
     receiving group has them (each atom reaches one replica of its shard, which passes it on, as
     the average does). `call`: what every cross-group send and receive goes through (a
-    PeerLatch: a lost peer is remembered and the rest skipped). Returns the bytes this rank sent
-    across groups."""
+    PeerLatch: a lost peer is remembered and the rest skipped). `window`: the streams hold only
+    the part of each shard inside this window over the model's elements (a fragment's state,
+    `atom_average.window_views`); None: whole shards. Returns the bytes this rank sent across
+    groups."""
     live = sorted(live)
     group = plan.group_of(rank)
     if source not in live or any(f not in live for f in receivers) or source in receivers:
@@ -43,13 +46,13 @@ def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int
     _, replica, _ = plan.shard_of(rank)
     if group in receivers and plan.groups[group].replicas > 1 and replica_group is None:
         raise ValueError(f"rank {rank}'s group has {plan.groups[group].replicas} replicas: the replica group is needed")
-    lengths = [hi - lo for lo, hi in (plan.shard_range(rank, t) for t in range(len(plan.numels)))]
+    windows, lengths = tensor_windows(plan, window), window_lengths(plan, rank, window)
     for i, stream in enumerate(streams):
         if [s.numel() for s in stream] != lengths:
             raise ValueError(f"stream {i}: shards of {[s.numel() for s in stream]} elements; this rank's plan "
                              f"holds {lengths}")
     sent = 0
-    for owners, pieces in sorted(pieces_by_tuple(plan, rank).items()):
+    for owners, pieces in sorted(pieces_by_tuple(plan, rank, windows).items()):
         members = [owners[f] for f in live]
         pg = communicators.get(owners)
         if pg is None:  # source and receivers are live: every tuple of theirs has one
@@ -72,6 +75,6 @@ def copy_across_groups_(plan: AtomPlan, rank: int, communicators: Dict[Tuple[int
     if group in receivers and plan.groups[group].replicas > 1:  # each replica's atoms to the others
         for stream in streams:
             per_bucket = max(1, bucket_bytes // stream[0].element_size()) if stream else 1
-            share_replica_slices_([s.view(-1) for s in stream], replica_slice_buckets(plan, rank, None, per_bucket),
+            share_replica_slices_([s.view(-1) for s in stream], replica_slice_buckets(plan, rank, windows, per_bucket),
                                   replica, replica_group)
     return sent
