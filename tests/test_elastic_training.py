@@ -6,8 +6,9 @@ groups meeting only at syncs (tools/elastic_launch.py).
 - A group dies: a rank of group 1 is SIGKILLed between two syncs; groups 0 and 2 go on without
   restarting and sync without it; torchrun restarts group 1, which heals from them at a later sync
   (no checkpoint) and ends bit-identical to them; on fsdp2 and DeepSpeed, with FL+HSDP and with
-  int8 + error feedback + nesterov (all but fsdp2 in `make test-heavy`); the healed group's inner
-  optimizer state is the one a live group sent.
+  int8 + error feedback + nesterov (all in `make test-heavy`: make test kills a group between
+  syncs with groups of unequal size, below); the healed group's inner optimizer state is the one
+  a live group sent.
 - A peer lost in the middle of a sync (Nesterov, int8 + error feedback): the survivors vote it
   down, their sync state (anchors, momentum, residuals) as before it, and agree again at the next
   (`make test-heavy`; make test kills a peer in the exchange of an overlapped fragment sync).
@@ -26,7 +27,7 @@ groups meeting only at syncs (tools/elastic_launch.py).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
 - Too few live groups: the others wait out the quorum timeout, save and stop (exit code 5)
-  naming the missing group.
+  naming the missing group (`make test-heavy`).
 """
 
 import json
@@ -142,7 +143,7 @@ HEAVY = pytest.mark.heavy  # `make test-heavy` (make test leaves them out to sta
 
 
 @pytest.mark.parametrize("extra", [
-    pytest.param((), id="fedavg"),
+    pytest.param((), id="fedavg", marks=HEAVY),
     pytest.param(("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback"),
                  id="int8-ef-nesterov", marks=HEAVY),
     pytest.param(("--backend", "deepspeed"), id="deepspeed", marks=HEAVY),
@@ -445,6 +446,7 @@ def test_the_whole_federation_resumes_exactly_from_each_groups_own_checkpoints(t
     assert third[0][12]["shard_digests"] == third[1][12]["shard_digests"] == third[2][12]["shard_digests"]
 
 
+@HEAVY
 def test_too_few_groups_wait_out_the_timeout_save_and_stop_naming_the_missing_ones(tmp_path):
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     # every sync needs all 3 groups; group 1 (federation rank 2) is killed in step 6 for good
