@@ -40,7 +40,8 @@ def test_group_sizes_give_a_layout_of_unequal_groups_and_equal_sizes_today_s_lay
     (("--fl-group-sizes", "6,6"), "must cover whole nodes of 4 ranks"),
     (("--fl-group-sizes", "8,4", "--fl-topology", "ring"), "topology ring"),
     (("--fl-group-sizes", "8,4", "--fl-tune"), "tune: its probe"),
-    (("--fl-group-sizes", "8,4", "--fl-inner-state", "average"), "inner_state average"),
+    (("--fl-group-sizes", "8,4", "--fl-inner-state", "average", "--backend", "megatron"),
+     "backend megatron with inner_state average"),
 ])
 def test_what_groups_of_unequal_size_refuse_is_named(flags, message):
     with pytest.raises(ValueError) as e:
@@ -75,6 +76,10 @@ def test_the_dry_run_prints_each_group_and_the_atom_plan_s_cost(capsys, monkeypa
         assert f"group {f}: {size} ranks (FSDP {size}), up to {most:,} elements" in out
     plan = plan_for_shapes(_run("--fl-group-sizes", "8,4").layout.groups, shapes, "fsdp2")
     assert f"{len(plan.owner_tuples()):,} communicators across groups" in out
+    assert "inner state" not in out
+    assert main(args + ["--fl-inner-state", "average", "--fl-fragments", "2"]) == 0
+    assert "(AdamW: 2) is averaged the same way, in fp32: 4 bytes per element each, a fragment its window in its " \
+        "turn" in capsys.readouterr().out
 
 
 def test_checkpoint_metadata_records_every_group_and_resumes_only_into_the_same(tmp_path):

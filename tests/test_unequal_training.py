@@ -1,6 +1,7 @@
 """Training in groups of unequal size end to end (6 CPU ranks, gloo, FSDP2): a federation of a
 4-rank and a 2-rank group against the same two groups trained independently (syncing off, the
-same seeds and data), whose mean is what every sync must give, bit for bit in fp32; a sick group
+same seeds and data), whose mean is what every sync must give, bit for bit in fp32 (the shards,
+and with --fl-inner-state average Adam's moments, whole or one fragment's window); a sick group
 left out takes the other's state, and a run resumes exactly."""
 
 import os
@@ -30,6 +31,29 @@ def _flat(state: dict) -> torch.Tensor:
     return torch.cat([torch.tensor(v).reshape(-1) for v in state.values()])
 
 
+def _moments(trainer) -> tuple:
+    """(group, tensors' sizes, each Adam moment stream as (start, stop, values) per tensor): this
+    rank's part of the moments, in the atom plan's order."""
+    atoms = trainer.engine.state.averaging.atoms
+    plan, rank = atoms.plan, atoms.groups.rank
+    streams = trainer.backend.atom_optimizer_state()[0]
+    return plan.group_of(rank), list(plan.numels), \
+        [[(*plan.shard_range(rank, t), s.tolist()) for t, s in enumerate(stream)] for stream in streams]
+
+
+def _group_moments(parts: list) -> dict:
+    """Each group's whole moments (one flat tensor per stream) from its ranks' `_moments`."""
+    out = {}
+    for group, numels, streams in parts:
+        whole = out.setdefault(group, [torch.full((sum(numels),), float("nan")) for _ in streams])
+        offsets = [sum(numels[:t]) for t in range(len(numels))]
+        for flat, stream in zip(whole, streams):
+            for offset, (start, stop, values) in zip(offsets, stream):
+                flat[offset + start:offset + stop] = torch.tensor(values)
+    assert all(not torch.isnan(flat).any() for whole in out.values() for flat in whole)
+    return out
+
+
 def _job(rank, world, tmp, cache):
     out = {}
     for case, shards in (("fsdp", ""), ("hsdp", "2,1")):
@@ -54,6 +78,16 @@ def _job(rank, world, tmp, cache):
     out["fragments_moved"] = trainer.step(1).sync.fragments
     out["fragments_after_2"] = _full(trainer)
     trainer.close()
+    # --fl-inner-state average: Adam's moments after the sync are the mean of the groups' alone
+    # (2 fragments, H = 4, 2 of 4 steps: the sync after step 2 averages fragment 0's window only)
+    for name, interval, fragments in (("moments_alone", 0, 1), ("moments_fed", 2, 1), ("moments_fragment", 4, 2)):
+        cfg = _config(f"{tmp}/{name}", cache, sync_interval=interval, steps=2 * fragments, optimizer="adamw", lr=1e-3)
+        cfg.federation.inner_state, cfg.federation.fragments = "average", fragments
+        trainer = make_trainer(cfg)
+        for i in range(2):
+            trainer.step(i)
+        out[name] = _moments(trainer)
+        trainer.close()
     # group 1 turns sick (a NaN in its shards after step 2): the sync leaves it out, every rank takes group 0's
     os.environ["FL_MEGATRON_FAULT"] = "nan-shard:1@2"
     sick = make_trainer(_config(f"{tmp}/sick", cache, sync_interval=2, steps=4))
@@ -64,11 +98,14 @@ def _job(rank, world, tmp, cache):
     del os.environ["FL_MEGATRON_FAULT"]
     # an outer optimizer (nesterov) over atoms, exact, and in int8 with error feedback, 2 fragments and an
     # overlapped sync (HSDP: the residuals live in each replica's slices): the groups end identical
-    for name, dtype, shards in (("nesterov", "fp32", ""), ("nesterov_int8", "int8", "2,1")):
+    # (and the same with the inner moments averaged, each fragment's window in its turn)
+    for name, dtype, shards, inner in (("nesterov", "fp32", "", "keep"), ("nesterov_int8", "int8", "2,1", "keep"),
+                                       ("int8_moments", "int8", "2,1", "average")):
         cfg = _config(f"{tmp}/{name}", cache, shards=shards, sync_interval=4, steps=6, optimizer="adamw", lr=1e-3)
         cfg.federation.outer_optimizer, cfg.federation.sync_dtype = "nesterov", dtype
         cfg.federation.error_feedback = dtype != "fp32"
         cfg.federation.fragments, cfg.federation.overlap_steps = (2, 1) if dtype != "fp32" else (1, 0)
+        cfg.federation.inner_state = inner
         cfg.federation.bucket_mb = 0.05  # several buckets per owner tuple
         trainer = make_trainer(cfg)
         syncs = [trainer.step(i).sync for i in range(6)]
@@ -76,6 +113,7 @@ def _job(rank, world, tmp, cache):
         out[f"{name}_end"] = _full(trainer)
         out[f"{name}_residuals"] = sum("residual." in k for k in trainer.engine.state_tensors())
         out[f"{name}_bytes"] = trainer.ledger.by_scope["inter-group"]
+        out[f"{name}_moments"] = _moments(trainer)
         trainer.close()
     return out
 
@@ -108,11 +146,25 @@ def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(
     assert all(r["sick_sync"] == (1,) and r["sick_after_2"] == group_0_alone for r in results)
     # overlapped: the fragment syncs launched after steps 2 and 4 land a step later; step 6 syncs all
     assert results[0]["nesterov_synced"] == [4, 6] and results[0]["nesterov_int8_synced"] == [3, 5, 6]
-    for name in ("nesterov", "nesterov_int8"):
+    for name in ("int8_moments", "nesterov", "nesterov_int8"):
         ends = [r[f"{name}_end"] for r in results]
         assert all(e == ends[0] for e in ends), name
     assert ends[0] != results[0]["nesterov_end"]  # int8 is not the exact sync
     assert all(r["nesterov_int8_residuals"] > 1 and r["nesterov_residuals"] == 0 for r in results)
+    # the moments: averaged (each fragment in its turn, the last sync all) or each group's own
+    kept, averaged = (_group_moments([r[f"{name}_moments"] for r in results]) for name in ("nesterov_int8",
+                                                                                            "int8_moments"))
+    assert all(not torch.equal(a, b) for a, b in zip(kept[0], kept[1]))
+    assert len(averaged[0]) == 2 and all(torch.equal(a, b) for a, b in zip(averaged[0], averaged[1]))
+    # at a sync the moments are the mean of the groups' own, bit for bit (fp32)
+    alone, fed = (_group_moments([r[name] for r in results]) for name in ("moments_alone", "moments_fed"))
+    assert all(not torch.equal(a, b) for a, b in zip(alone[0], alone[1]))
+    fragment = _group_moments([r["moments_fragment"] for r in results])
+    half = -(-alone[0][0].numel() // 2)
+    for group in (0, 1):
+        assert all(torch.equal(f, (a + b) / 2) for f, a, b in zip(fed[group], alone[0], alone[1])), group
+        for f, a, b, own in zip(fragment[group], alone[0], alone[1], alone[group]):
+            assert torch.equal(f[:half], (a[:half] + b[:half]) / 2) and torch.equal(f[half:], own[half:]), group
     # int8 puts about a quarter of fp32's bytes on the wire (the per-block scales and padding on top)
     assert all(0.2 < r["nesterov_int8_bytes"] / r["nesterov_bytes"] < 0.4 for r in results[:1])
 

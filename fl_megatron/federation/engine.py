@@ -192,9 +192,8 @@ class FederationEngine:
         shards = self.backend.local_shards()
         flight, stats = self.overlapped.land(self.state.outers[fragment], self.state.views(shards)[fragment],
                                              before_merge=transaction.keep_shards)
-        settle_inner_state(self.config.inner_state, self.backend, self.state.state_averager, stats, flight.senders,
-                           flight.peers, self.groups.coords[0] in flight.senders.sick, fragment, self.state.fragments,
-                           transaction.keep_inner_state)
+        settle_inner_state(self.config.inner_state, self.backend, self.state, stats, flight.senders, flight.peers,
+                           self.groups.coords[0] in flight.senders.sick, fragment, transaction.keep_inner_state)
         self.backend.refresh_after_sync()
         sums = metric_sums(stats, shards) if flight.consensus is None else None
         later = sums is not None and not metrics_now and transaction.carries_metrics

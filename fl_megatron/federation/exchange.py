@@ -74,7 +74,6 @@ def exchange(state: SyncState, backend: ShardOwner, shards: list, context: Excha
     else:
         mixing = gossip_round(choice.graph, context.num_groups, context.group, choice.round_index)
         stats = state.averagers[0].average(shards, mixing=mixing, peers=context.peers)
-    settle_inner_state(state.settings.inner_state, backend, state.state_averager, stats, senders, context.peers,
-                       context.group in senders.sick, moved[0] if len(moved) == 1 else None, state.fragments,
-                       context.keep_inner_state)
+    settle_inner_state(state.settings.inner_state, backend, state, stats, senders, context.peers,
+                       context.group in senders.sick, moved[0] if len(moved) == 1 else None, context.keep_inner_state)
     return Exchanged(stats, senders.sick, consensus, choice, moved, shards)

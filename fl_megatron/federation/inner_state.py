@@ -5,25 +5,25 @@ averages the same fraction of the moments, cut the same way, in turn."""
 
 from typing import Callable, Optional
 
-from .averaging import Peers, ShardAverager, SyncStats
+from .averaging import Peers, SyncStats
 from .contract import ShardOwner
-from .fragments import fragment_views
 from .vote import Senders
 
 
-def settle_inner_state(policy: str, backend: ShardOwner, averager: ShardAverager, stats: SyncStats,
-                       senders: Senders, peers: Peers, sick: bool, fragment: Optional[int] = None,
-                       fragments: int = 1, before_change: Callable[[], None] = lambda: None) -> None:
+def settle_inner_state(policy: str, backend: ShardOwner, state, stats: SyncStats, senders: Senders, peers: Peers,
+                       sick: bool, fragment: Optional[int] = None,
+                       before_change: Callable[[], None] = lambda: None) -> None:
     """Apply `policy` after the shards were exchanged; the moments' bytes go into `stats`.
-    `sick`: this rank's group was left out as sick. `fragment`: the one fragment this sync moved.
-    `before_change`: called before the moments change (a sync that may be voted down keeps them)."""
+    `state`: the mode's SyncState, which says what to average with which averager
+    (`inner_state_parts`). `sick`: this rank's group was left out as sick. `fragment`: the one
+    fragment this sync moved (None: all). `before_change`: called before the moments change (a
+    sync that may be voted down keeps them)."""
     if policy == "average":
-        state = backend.inner_state_shards()
-        if state and fragment is not None and fragments > 1:
-            state = fragment_views(state, fragments)[fragment]
-        if state:
+        parts = state.inner_state_parts(backend, fragment)
+        if parts:
             before_change()
-            moved = averager.average(state, senders.include, senders.contributors, peers=peers)
+        for averager, moments in parts:
+            moved = averager.average(moments, senders.include, senders.contributors, peers=peers)
             stats.inter_group_bytes += moved.inter_group_bytes
             stats.intra_group_bytes += moved.intra_group_bytes
     elif policy == "reset" or sick:

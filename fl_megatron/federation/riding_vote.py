@@ -71,7 +71,6 @@ def exchange_with_the_vote(state: SyncState, backend: ShardOwner, shards: list, 
         outer.step(views[fragment])
     moved = tuple(range(state.fragments)) if senders.sick else first
     stats.merge(average_fragments(state, views, tuple(f for f in moved if f != fragment), senders, peers))
-    settle_inner_state(state.settings.inner_state, backend, state.state_averager, stats, senders, peers,
-                       group in senders.sick, moved[0] if len(moved) == 1 else None, state.fragments,
-                       keep_inner_state)
+    settle_inner_state(state.settings.inner_state, backend, state, stats, senders, peers,
+                       group in senders.sick, moved[0] if len(moved) == 1 else None, keep_inner_state)
     return Exchanged(stats, senders.sick, None, Choice("complete"), moved, shards), vote, counted["at"]

@@ -62,6 +62,7 @@ class SyncState:
         self.averagers = averagers or [averaging.make(settings.sync_dtype, settings.error_feedback, (f, self.fragments))
                                        for f in range(self.fragments)]
         self.state_averager = averaging.make()  # --fl-inner-state average: the moments, exactly (fp32)
+        self._fragment_state_averagers: dict = {}  # groups of unequal size: one per fragment's window
         self.outers = self._new_outers(local_shards()) if active and not settings.plain_average else []
 
     @property
@@ -76,6 +77,25 @@ class SyncState:
             return fragment_views(shards, self.fragments)
         except ValueError as e:
             raise ValueError(f"--fl-fragments {self.fragments}: {e} (this rank's shards are too small)") from None
+
+    def inner_state_parts(self, backend, fragment: Optional[int] = None) -> list:
+        """What --fl-inner-state average averages at a sync of `fragment` (None: every fragment):
+        (averager, moments) pairs. Equal groups: the backend's moment shards, cut into fragments
+        as the shards are. Groups of unequal size: each moment stream (`atom_optimizer_state`, in
+        the atom plan's order), or its views of the fragment's window, over that window's atoms."""
+        cut = fragment is not None and self.fragments > 1
+        if self.averaging.atoms is None:
+            moments = backend.inner_state_shards()
+            if moments and cut:
+                moments = fragment_views(moments, self.fragments)[fragment]
+            return [(self.state_averager, moments)] if moments else []
+        streams = backend.atom_optimizer_state()[0]
+        if not cut:
+            return [(self.state_averager, stream) for stream in streams]
+        if fragment not in self._fragment_state_averagers:
+            self._fragment_state_averagers[fragment] = self.averaging.make(fragment=(fragment, self.fragments))
+        averager = self._fragment_state_averagers[fragment]
+        return [(averager, self.averaging.atoms.views(stream, self.fragments)[fragment]) for stream in streams]
 
     def outer(self, fragment: int) -> Optional[OuterOptimizer]:
         return self.outers[fragment] if self.outers else None

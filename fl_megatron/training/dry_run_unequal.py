@@ -66,6 +66,10 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
               f"carry {busiest.max_elements / max(1, least.max_elements):.1f}x the elements of group "
               f"{least.group}'s" + (" (megatron: its buffer map approximated by ZeRO-3's flat cut; a run "
                                      "reads the real one)" if backend == "megatron" else ""),
+              *([f"    inner state (--fl-inner-state average): each moment stream of the optimizer (AdamW: 2) "
+                 "is averaged the same way, in fp32: 4 bytes per element each"
+                 f"{', a fragment its window in its turn' if fed.fragments > 1 else ''}"]
+                if fed.inner_state == "average" else []),
               f"    vote: all-reduce (max) of {GROUP_SLOTS * layout.num_groups + 2} numbers over the {layout.num_groups} groups' "
               "first ranks, then a broadcast inside each group; metrics: 3 numbers the same way", ""]
     return lines
