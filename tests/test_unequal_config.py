@@ -40,8 +40,6 @@ def test_group_sizes_give_a_layout_of_unequal_groups_and_equal_sizes_today_s_lay
     (("--fl-group-sizes", "6,6"), "must cover whole nodes of 4 ranks"),
     (("--fl-group-sizes", "8,4", "--fl-topology", "ring"), "topology ring"),
     (("--fl-group-sizes", "8,4", "--fl-tune"), "tune: its probe"),
-    (("--fl-group-sizes", "8,4", "--fl-inner-state", "average", "--backend", "megatron"),
-     "backend megatron with inner_state average"),
 ])
 def test_what_groups_of_unequal_size_refuse_is_named(flags, message):
     with pytest.raises(ValueError) as e:

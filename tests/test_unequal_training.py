@@ -198,7 +198,8 @@ def test_a_run_of_groups_of_2_and_1_ranks_resumes_exactly_and_exports(tmp_path):
 
 def _assert_the_mean_of_the_groups_alone(results: list) -> None:
     """Every rank's state after the sync ("fed") is the mean of the two groups' states trained
-    alone ("alone"), bit for bit, and the groups alone had moved apart."""
+    alone ("alone"), bit for bit, and the groups alone had moved apart; so are the Adam moments
+    (--fl-inner-state average), gathered from every rank's atom streams."""
     alone = {group: state for group, state in (r["alone"] for r in results)}
     a, b = ({k: torch.tensor(v) for k, v in alone[g].items()} for g in (0, 1))
     assert any(not torch.equal(a[k], b[k]) for k in a)
@@ -206,6 +207,10 @@ def _assert_the_mean_of_the_groups_alone(results: list) -> None:
         after = {k: torch.tensor(v) for k, v in r["fed"][1].items()}
         for k in a:
             assert torch.equal(after[k], (a[k] + b[k]) / 2), (rank, k)
+    alone, fed = (_group_moments([r[f"{name}_moments"] for r in results]) for name in ("alone", "fed"))
+    assert len(alone[0]) == 2 and all(not torch.equal(a, b) for a, b in zip(alone[0], alone[1]))
+    for group in (0, 1):
+        assert all(torch.equal(f, (a + b) / 2) for f, a, b in zip(fed[group], alone[0], alone[1])), group
 
 
 SMALL_PERSISTENCE = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 2000}}
@@ -215,11 +220,11 @@ def _deepspeed_job(rank, world, tmp, cache):
     out = {}
     for name, h in (("alone", 0), ("fed", 2)):
         cfg = _config(f"{tmp}/ds-{name}", cache, sizes="3,1", sync_interval=h, steps=2, backend="deepspeed",
-                      deepspeed=SMALL_PERSISTENCE)
-        cfg.parallel.ranks_per_node = 4
+                      deepspeed=SMALL_PERSISTENCE, optimizer="adamw", lr=1e-3)
+        cfg.parallel.ranks_per_node, cfg.federation.inner_state = 4, "average"
         trainer = make_trainer(cfg)
         trainer.train()
-        out[name] = (trainer.group, _full(trainer))
+        out[name], out[f"{name}_moments"] = (trainer.group, _full(trainer)), _moments(trainer)
         masters = trainer.backend.optimizer.fp32_partitioned_groups_flat
         used = [torch.zeros(m.numel(), dtype=torch.bool) for m in masters]
         for i, _, offset, _, valid in trainer.backend._param_spans():
@@ -241,11 +246,12 @@ def test_deepspeed_groups_of_3_and_1_ranks_sync_to_the_mean_of_the_groups_alone(
 def _megatron_job(rank, world, tmp, cache):
     out = {}
     for name, h in (("alone", 0), ("fed", 2)):
-        cfg = _config(f"{tmp}/mc-{name}", cache, sizes="2,1", sync_interval=h, steps=2, backend="megatron")
-        cfg.parallel.ranks_per_node = 3
+        cfg = _config(f"{tmp}/mc-{name}", cache, sizes="2,1", sync_interval=h, steps=2, backend="megatron",
+                      optimizer="adamw", lr=1e-3)
+        cfg.parallel.ranks_per_node, cfg.federation.inner_state = 3, "average"
         trainer = make_trainer(cfg)
         trainer.train()
-        out[name] = (trainer.group, _full(trainer))
+        out[name], out[f"{name}_moments"] = (trainer.group, _full(trainer)), _moments(trainer)
         trainer.close()
     return out
 

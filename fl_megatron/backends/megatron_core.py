@@ -160,6 +160,9 @@ class MegatronBackend(SavesInTheForeground):
     def atom_shards(self) -> list[torch.Tensor]:
         return self.shards.atom_shards()
 
+    def atom_optimizer_state(self, make: bool = False) -> tuple[list, list]:
+        return self.shards.atom_optimizer_state(make)
+
     def local_shards(self) -> list[torch.Tensor]:
         return self.shards.local_shards()
 

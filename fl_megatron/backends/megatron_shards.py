@@ -9,8 +9,8 @@ import torch
 
 from .megatron_cpu import compat_method
 from .megatron_state import main_shard_entries
-from .optimizer import (forget_state, has_state, load_transfer_state_tensors, state_tensors, step_at_zero_lr,
-                        transfer_state_tensors)
+from .optimizer import (forget_state, has_state, load_transfer_state_tensors, split_transfer_state, state_tensors,
+                        step_at_zero_lr, transfer_state_tensors)
 
 
 class MegatronMainShards:
@@ -68,6 +68,30 @@ class MegatronMainShards:
         """Adam moments (or SGD momentum) of every fp32 main shard, in the main shards' order;
         empty before the first step."""
         return [t for opt in self.dist_opts for t in state_tensors(opt.optimizer, self._mains(opt))]
+
+    def atom_optimizer_state(self, make: bool = False) -> tuple[list, list]:
+        """The inner optimizers' state for groups of unequal size (as FSDP2's): the moments as
+        streams of every parameter's main shard, flat, in `atom_cut`'s order (empty where this
+        rank holds none), and the rest (step counts) whole; both empty before the first step.
+        `make`: an optimizer without state makes it first, by a step at learning rate 0."""
+        moments, rest, per_main = None, [], {}
+        for opt in self.dist_opts:
+            mains = self._mains(opt)
+            if make and mains and not has_state(opt.optimizer, mains):
+                step_at_zero_lr(opt.optimizer, mains)
+            streams, small = split_transfer_state(opt.optimizer, mains)
+            if mains and streams:
+                if moments is not None and len(streams) != moments:
+                    raise ValueError(f"megatron's optimizers keep {moments} and {len(streams)} moments per shard")
+                moments = len(streams)
+                per_main.update({id(main): [stream[i] for stream in streams] for i, main in enumerate(mains)})
+            rest += small
+        if not per_main:
+            return [], rest
+        mains = {id(param): main for param, main, _, _ in self.entries()}
+        empty = torch.zeros(0, device=next(iter(mains.values())).device)
+        return [[per_main[id(mains[key])][k] if key in mains else empty for key in self.names]
+                for k in range(moments)], rest
 
     def optimizer_transfer_state(self) -> list[torch.Tensor]:
         """The inner optimizers' whole state of this rank's main shards, step counts included."""

@@ -20,9 +20,6 @@ def unequal_group_problems(backend: str, fed: FederationConfig, checkpoint: Chec
                         "the consensus metrics pair the ranks of a peer group, which groups of unequal size lack")
     if fed.tune:
         problems.append("tune: its probe and trial exchange time a peer group, which groups of unequal size lack")
-    if fed.inner_state == "average" and backend == "megatron":
-        problems.append("backend megatron with inner_state average: its distributed optimizer's moments are not cut "
-                        "per parameter for the atom plan yet (fsdp2 and deepspeed average them atom by atom)")
     if fed.elastic and backend == "megatron":
         problems.append("backend megatron in elastic mode: its distributed optimizer's buckets place each "
                         "parameter's elements by its own rules, so every group's ranges are gathered across the "
