@@ -54,3 +54,26 @@ def test_without_compute_seconds_the_estimate_is_the_dry_runs_flops(tmp_path):
     tuner.choose_at_start(SyncMode("fp32", 0, 1, 8, False))
     expected = workload_for(tuner.run).compute_seconds
     assert tuner.start_choice["estimated_step_seconds"] == pytest.approx(expected) and 0 < expected < 1
+
+
+def test_the_trial_exchange_sets_the_links_speed_before_the_first_choice(tmp_path):
+    """A trial of 2^21 int4 elements that took twice the cost model's time (its codec aside): the
+    peer tier is re-estimated so that the model predicts what the trial took; a trial too small to
+    show bandwidth leaves the links as probed."""
+    tuner, _ = _tuner(tmp_path, inter_node_mbit=20)
+    mode, elements, step_s = SyncMode("int4", 0, 1, 8), 1 << 21, 0.5
+    share = elements / (tuner.num_params / tuner.run.layout.shard_size)
+
+    def predicted() -> float:
+        return tuner._estimate(mode, step_s).network_seconds * share
+
+    codec = tuner.measured.codec_seconds_per_element["int4"] * elements
+    before, probed = predicted(), tuner.cluster.inter_node_gbps
+    tuner.trial_info = {"step": 4, "elements": elements, "sync_dtype": "int4"}
+    links = tuner._links_from_trial(step_s, 2 * before + codec)
+    assert links["tier"] == "inter-node" and links["measured_seconds"] == pytest.approx(2 * before)
+    assert tuner.cluster.inter_node_gbps == pytest.approx(probed / 2)
+    assert predicted() == pytest.approx(2 * before, rel=0.02)  # latency aside, the model now says what it took
+    tuner, _ = _tuner(tmp_path, inter_node_mbit=20)
+    tuner.trial_info = {"step": 4, "elements": 1 << 16, "sync_dtype": "int4"}
+    assert tuner._links_from_trial(step_s, 10.0) is None and tuner.cluster.inter_node_gbps == probed

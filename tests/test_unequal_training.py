@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from fl_megatron.costs import wire_bytes_per_element
 from fl_megatron.local_ranks import run_ranks
 from fl_test_utils import make_trainer, tiny_config
 
@@ -113,6 +114,8 @@ def _job(rank, world, tmp, cache):
         out[f"{name}_end"] = _full(trainer)
         out[f"{name}_residuals"] = sum("residual." in k for k in trainer.engine.state_tensors())
         out[f"{name}_bytes"] = trainer.ledger.by_scope["inter-group"]
+        atoms = trainer.engine.state.averaging.atoms
+        out[f"{name}_elements"] = sum(a.length for a in atoms.plan.rank_atoms(atoms.groups.rank))
         out[f"{name}_moments"] = _moments(trainer)
         trainer.close()
     return out
@@ -167,6 +170,14 @@ def test_groups_of_4_and_2_ranks_train_and_sync_to_the_mean_of_the_groups_alone(
             assert torch.equal(f[:half], (a[:half] + b[:half]) / 2) and torch.equal(f[half:], own[half:]), group
     # int8 puts about a quarter of fp32's bytes on the wire (the per-block scales and padding on top)
     assert all(0.2 < r["nesterov_int8_bytes"] / r["nesterov_bytes"] < 0.4 for r in results[:1])
+    # the cost model's count: each rank's atom elements per sync at the sync's wire bytes per element;
+    # fp32 (syncs at 4 and 6) exactly; int8 (fragment 0 at 3, fragment 1 at 5, both at 6: each element
+    # twice) padded to whole 256-element blocks per group in each bucket (2 groups x 256 at most)
+    for r in results:
+        assert r["nesterov_bytes"] == 2 * r["nesterov_elements"] * wire_bytes_per_element("fp32")
+    for r in results[4:]:  # group 1 (FSDP over 2; group 0's HSDP replicas split its atoms between them)
+        model = 2 * r["nesterov_int8_elements"] * wire_bytes_per_element("int8")
+        assert model <= r["nesterov_int8_bytes"] <= model * 1.05, (r["nesterov_int8_bytes"], model)
 
 
 def test_a_run_of_groups_of_2_and_1_ranks_resumes_exactly_and_exports(tmp_path):

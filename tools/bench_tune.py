@@ -3,7 +3,7 @@
 
 For each --rates value (Mbit/s between nodes) this runs tools/bench_cluster.py once with the
 hand-picked FL+FSDP rows (fp32, bf16, int8 + EF with and without a one-step overlap, int4 + EF
-with and without it, int4 + EF in 2 fragments with the overlap) and the --fl-tune row (int4
+with and without it, int4 + EF in 2 and in 4 fragments with the overlap) and the --fl-tune row (int4
 allowed), side by side on the same model, data, seed and steps. Then it reports, per rate: the
 tuned run's tokens/s over the timed span against the best hand-picked row's (target: at least
 0.95), the mode it chose (from its metrics.jsonl), and its eval loss against the hand-picked row
@@ -22,7 +22,7 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 HAND_ROWS = ("fl-fsdp", "fl-fsdp-bf16", "fl-fsdp-int8", "fl-fsdp-int8-overlap", "fl-fsdp-int4", "fl-fsdp-int4-overlap",
-             "fl-fsdp-int4-frag2-overlap")
+             "fl-fsdp-int4-frag2-overlap", "fl-fsdp-int4-frag4-overlap")
 TUNE_ROW = "fl-fsdp-tune"
 SPEED_TARGET = 0.95
 LOSS_BOUND = 0.01  # relative eval loss against the fp32 average (docs/sync-modes.md, "Let it choose")

@@ -39,6 +39,9 @@ from .dry_run import mode_memory, model_sizes
 WARMUP_STEPS = 1  # steps left out of the measured step time (the first one builds and warms up)
 
 
+TRIAL_SHOWS_BANDWIDTH = 1 << 20  # trial elements from which its exchange times the links' bandwidth
+
+
 class SyncTuner:
     """One rank's view of --fl-tune. `decide` runs at every due sync (before it), `observe_*`
     after every step and sync; `state`/`load_state` go with checkpoints."""
@@ -141,17 +144,25 @@ class SyncTuner:
             return None  # the links between groups are known from a sync's exchange only
         baseline = statistics.median(measured_steps)
         agreed = torch.tensor([baseline, statistics.median(self.sync_seconds) if self.sync_seconds else 0.0,
-                               self._interference(baseline)], dtype=torch.float64, device=self.device)
+                               self._interference(baseline), self.trial[1] if self.trial is not None else 0.0],
+                              dtype=torch.float64, device=self.device)
         self._agree(agreed)
-        step_s, sync_s, interference = agreed.tolist()
+        step_s, sync_s, interference, trial_s = agreed.tolist()
         interference_from = "the link probe's compute loop" \
             if self.measured.overlap_interference and not self.decided else None
         if self.trial is not None:
             self.measured = dataclasses.replace(self.measured, overlap_interference=interference)
             interference_from = {"trial": self.trial_info, "step_seconds": self.trial[0],
                                  "exchange_seconds": self.trial[1]}
+            links = self._links_from_trial(step_s, trial_s)
+            if links is not None:
+                interference_from["links"] = links
             self.trial = None
         reason = "first choice, from the probed links and the measured step time"
+        links = interference_from.get("links") if isinstance(interference_from, dict) else None
+        if links is not None:
+            reason = (f"first choice, from the measured step time and the {links['tier']} links as the trial exchange "
+                      f"showed them ({links['gbps'] * 1e3:.4g} Mbit/s)")
         if self.decided:
             reason = self._recheck(step_s, sync_s, now)
         elif self.by_vote:
@@ -198,6 +209,27 @@ class SyncTuner:
             self.last_record["tune"]["outvoted_by"] = adopted.label() if adopted is not None else "a voted-down sync"
         self.say(f"  fl-tune: this group's choice ({chose.label()}) did not hold: "
                  + (f"the vote took {adopted.label()}" if adopted is not None else "the sync was voted down"))
+
+    def _links_from_trial(self, step_s: float, exchange_s: float) -> Optional[dict]:
+        """Before the first choice: the trial's exchange (the slowest rank's, beside a step, as an
+        overlapped sync runs) against the cost model's time for the same elements; the tier the
+        syncs cross takes the speed it showed, since the probe's short collectives, run alone,
+        miss what a real exchange meets (its buckets, the codec's passes, the compute beside it).
+        None where the trial was too small to show the bandwidth (latency would dominate)."""
+        info = self.trial_info
+        if info is None or info["elements"] < TRIAL_SHOWS_BANDWIDTH or exchange_s <= 0:
+            return None
+        dtype, elements = info["sync_dtype"], info["elements"]
+        whole = self._estimate(SyncMode(dtype, 0, 1, self.bounds.sync_interval), step_s)
+        predicted = whole.network_seconds * elements / (self.num_params / self.run.layout.shard_size)
+        measured = exchange_s - self.measured.codec_seconds_per_element.get(dtype, 0.0) * elements
+        tier = self.groups.tier("peer")
+        rescaled = rescale_tier(self.cluster, tier, predicted, measured)
+        if rescaled is None:
+            return None
+        self.cluster = rescaled
+        gbps = rescaled.inter_node_gbps if tier == "inter-node" else rescaled.intra_node_gbps
+        return {"tier": tier, "predicted_seconds": predicted, "measured_seconds": measured, "gbps": gbps}
 
     def _recheck(self, step_s: float, sync_s: float, now: SyncMode) -> Optional[str]:
         """Why to choose again, or None. The measured exchange time against the one predicted for

@@ -56,6 +56,9 @@ def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     if h % 2 == 0 and h >= 4:  # Streaming DiLoCo's schedule: half the shards every H/2 steps
         rows.append(Row("fl-fsdp-int4-frag2-overlap", "FL+FSDP, int4 + EF, 2 fragments, overlap 1", rpn, None, h,
                         extra=(*int4, "--fl-fragments", "2", "--fl-overlap-steps", "1")))
+    if h % 4 == 0 and h >= 8:  # the most fragments --fl-tune allows by default (--fl-tune-max-fragments 4)
+        rows.append(Row("fl-fsdp-int4-frag4-overlap", "FL+FSDP, int4 + EF, 4 fragments, overlap 1", rpn, None, h,
+                        extra=(*int4, "--fl-fragments", "4", "--fl-overlap-steps", "1")))
     rows.append(Row("fl-fsdp-tune", "FL+FSDP, --fl-tune (int4 allowed)", rpn, None, h,
                     extra=("--fl-tune", "--fl-tune-lowest-precision", "int4")))
     if nodes >= 4 and rpn > 1 and nodes % 2 == 0:  # groups of two nodes: P = 2 replicas of a node's shard
