@@ -223,13 +223,21 @@ class SyncTuner:
         whole = self._estimate(SyncMode(dtype, 0, 1, self.bounds.sync_interval), step_s)
         predicted = whole.network_seconds * elements / (self.num_params / self.run.layout.shard_size)
         measured = exchange_s - self.measured.codec_seconds_per_element.get(dtype, 0.0) * elements
+        rescaled = self._rescale_peer_tier(predicted, measured)
+        if rescaled is None:
+            return None
+        tier, gbps = rescaled
+        return {"tier": tier, "predicted_seconds": predicted, "measured_seconds": measured, "gbps": gbps}
+
+    def _rescale_peer_tier(self, predicted_s: float, measured_s: float) -> Optional[tuple[str, float]]:
+        """The tier the syncs cross made as fast as a transfer predicted at `predicted_s` that took
+        `measured_s` shows; returns (that tier, its new Gbit/s), or None (a time not positive)."""
         tier = self.groups.tier("peer")
-        rescaled = rescale_tier(self.cluster, tier, predicted, measured)
+        rescaled = rescale_tier(self.cluster, tier, predicted_s, measured_s)
         if rescaled is None:
             return None
         self.cluster = rescaled
-        gbps = rescaled.inter_node_gbps if tier == "inter-node" else rescaled.intra_node_gbps
-        return {"tier": tier, "predicted_seconds": predicted, "measured_seconds": measured, "gbps": gbps}
+        return tier, rescaled.inter_node_gbps if tier == "inter-node" else rescaled.intra_node_gbps
 
     def _recheck(self, step_s: float, sync_s: float, now: SyncMode) -> Optional[str]:
         """Why to choose again, or None. The measured exchange time against the one predicted for
@@ -247,12 +255,10 @@ class SyncTuner:
         threshold = self.run.cfg.federation.tune_threshold
         if self.calibrated and 1 / (1 + threshold) <= ratio <= 1 + threshold:
             return None
-        tier = self.groups.tier("peer")
-        rescaled = rescale_tier(self.cluster, tier, network_predicted, network_measured)
+        rescaled = self._rescale_peer_tier(network_predicted, network_measured)
         if rescaled is None:
             return None
-        self.cluster = rescaled
-        gbps = rescaled.inter_node_gbps if tier == "inter-node" else rescaled.intra_node_gbps
+        tier, gbps = rescaled
         why = (f"the syncs took {sync_s:.3g} s against {predicted.sync_seconds:.3g} s predicted (x{ratio:.2f}"
                + (f", past 1 + {threshold:g}): the links changed" if self.calibrated else "): calibrating")
                + f"; the {tier} links re-estimated at {gbps * 1e3:.4g} Mbit/s")
