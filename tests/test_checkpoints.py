@@ -106,6 +106,7 @@ def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path, fragm
     assert predicted <= saved <= 1.05 * predicted, (saved, predicted)  # + headers and padding
 
 
+@pytest.mark.heavy  # 42 s; make test resumes fsdp2 and DeepSpeed exactly through a kill while saving
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 def test_megatron_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "megatron")

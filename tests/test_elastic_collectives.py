@@ -57,7 +57,7 @@ def _peer_collectives(tmp_path: Path, extra: tuple) -> dict:
 
 
 @pytest.mark.parametrize("extra, meets", [
-    pytest.param((), [4, 8], id="fedavg"),
+    pytest.param((), [4, 8], id="fedavg", marks=pytest.mark.heavy),
     pytest.param(("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--fl-error-feedback",
                   "--fl-fragments", "2", "--fl-overlap-steps", "1", "--fl-inner-state", "average"),
                  [2, 3, 4, 5, 6, 7, 8], id="every-slow-link-option")])

@@ -2,7 +2,7 @@
 groups meeting only at syncs (tools/elastic_launch.py).
 
 - No faults: 3 groups x 2 ranks train exactly as the one-world run of the same layout (per-step
-  losses of every group within 1e-6) and are bit-identical after every sync.
+  losses of every group within 1e-6) and are bit-identical after every sync (`make test-heavy`).
 - A group dies: a rank of group 1 is SIGKILLed between two syncs; groups 0 and 2 go on without
   restarting and sync without it; torchrun restarts group 1, which heals from them at a later sync
   (no checkpoint) and ends bit-identical to them; on fsdp2 and DeepSpeed, with FL+HSDP and with
@@ -21,8 +21,9 @@ groups meeting only at syncs (tools/elastic_launch.py).
   averaged inner moments): a peer lost in the exchange of a launch; the survivors vote the landing
   down, never restart, and all groups end identical; on fsdp2 with --async-save (DeepSpeed and
   megatron in `make test-heavy`).
-- Groups of 2 and 1 ranks: with their own step counts, and with 2 fragments and an overlapped
-  sync (DeepSpeed in `make test-heavy`), a rank of the 2-rank group killed; it heals across sizes.
+- Groups of 2 and 1 ranks: with 2 fragments and an overlapped sync (DeepSpeed in `make
+  test-heavy`), and with their own step counts (`make test-heavy`), a rank of the 2-rank group
+  killed; it heals across sizes.
 - A group leaves for good and a new one joins a running federation (`make test-heavy`).
 - The whole federation resumes exactly from each group's own checkpoints; a group behind takes
   the others' state at start-up.
@@ -96,6 +97,7 @@ def _syncs(run_dir: Path, g: int) -> dict:
     return {r["step"]: r for r in _records(_group_dir(run_dir, g) / "metrics.jsonl") if "groups" in r}
 
 
+@pytest.mark.heavy  # 36 s; make test compares elastic groups of 2 and 1 ranks with their one-world run
 def test_elastic_without_faults_equals_one_world(tmp_path):
     steps = 12
     _elastic(tmp_path / "elastic", steps, min_groups=3)
@@ -481,7 +483,7 @@ def _one_world_2_and_1(run_dir: Path, extra: tuple, steps: int) -> list:
     return [{r["step"]: r["loss"] for r in _records(run_dir / "groups" / f"group_{g:05d}.jsonl")} for g in range(2)]
 
 
-@pytest.mark.parametrize("inner", [pytest.param((), id="fsdp"),
+@pytest.mark.parametrize("inner", [pytest.param((), id="fsdp", marks=HEAVY),
                                    pytest.param(("--fl-hsdp-shard-sizes", "1,1"), id="hsdp", marks=HEAVY)])
 def test_groups_of_2_and_1_ranks_with_their_own_step_counts_heal_across_sizes(tmp_path, inner):
     """Groups of unequal size and speed in elastic mode: one torchft manager per group, atoms per

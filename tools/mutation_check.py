@@ -68,10 +68,11 @@ MUTATIONS = (
              ("tests/test_outer_sync.py::test_error_feedback_keeps_the_sum_of_what_was_sent_on_track",)),
     Mutation("inner-state-average-skipped", "--fl-inner-state average leaves every group's moments as they were",
              "fl_megatron/federation/inner_state.py",
-             "            moved = averager.average(state, senders.include, senders.contributors, peers=peers)\n"
+             "        for averager, moments in parts:\n"
+             "            moved = averager.average(moments, senders.include, senders.contributors, peers=peers)\n"
              "            stats.inter_group_bytes += moved.inter_group_bytes\n"
              "            stats.intra_group_bytes += moved.intra_group_bytes\n",
-             "            pass\n",
+             "        pass\n",
              ("tests/test_outer_sync.py::test_inner_state_policies_average_or_reset_the_moments",
               "tests/test_outer_sync.py::test_every_sync_option_on_every_backend")),
     Mutation("rollback-restore-removed", "a sync voted down keeps whatever its partial exchange left",
