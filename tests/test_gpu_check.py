@@ -156,6 +156,50 @@ def test_the_tuner_check_reads_the_interference_the_tuner_recorded(tmp_path):
     assert "no tuning record" in one_gpu.tuner_interference(run).problem
 
 
+def test_a_pinned_runs_interference_is_measured_as_the_tuner_measures_it(tmp_path, monkeypatch):
+    """A run of overlap 1, H 4, 16 steps, each step alone 0.1 s: the landings at 5, 9 and 13 took
+    0.16 s with a 0.01 s wait, beside exchanges of 0.2 s, so each met (0.15 - 0.1) / min(0.2, 0.15)
+    = 1/3. A tuner that measured 0.3 matches it (within 20 %), one that measured 0.6 does not, and
+    the check runs the pinned run in the precision of the tuner's trial."""
+    _gpu_check()
+    from gpu_checks import common, one_gpu
+
+    elapsed, records = 0.0, []
+    for step in range(1, 17):
+        landing = step in (5, 9, 13)
+        elapsed += 0.5 if step == 1 else 0.16 if landing else 0.1
+        record = {"step": step, "loss": 3.0, "elapsed_s": elapsed, "synced": landing or step == 16}
+        if landing or step == 16:
+            record.update(sync_seconds=0.01 if landing else 0.3, sync_exchange_seconds=0.2 if landing else 0.3)
+        records.append(record)
+    assert one_gpu.interference_of_a_run(records) == pytest.approx(1 / 3)
+    assert one_gpu.interference_of_a_run(records[:4]) is None  # no landing yet
+    assert one_gpu.interference_matches(0.3, 1 / 3) and not one_gpu.interference_matches(0.6, 1 / 3)
+    assert one_gpu.interference_matches(0.0, 0.04)  # both near zero: the same
+
+    asked = []
+
+    def pinned(ctx, name, nproc, *flags, env=None, base=()):
+        asked.append(flags)
+        (ctx.work / name).mkdir(parents=True)
+        (ctx.work / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return subprocess.CompletedProcess([], 0)
+
+    monkeypatch.setattr(common, "pretrain", pinned)
+    for tuner, passes in ((0.3, True), (0.6, False)):
+        run = tmp_path / f"tune{tuner}"
+        run.mkdir()
+        trial = {"trial": {"step": 2, "sync_dtype": "int8"}, "step_seconds": 0.1, "exchange_seconds": 0.2}
+        (run / "metrics.jsonl").write_text(json.dumps(
+            {"step": 4, "tune": {"overlap_interference": tuner, "overlap_interference_from": trial}}) + "\n")
+        got = one_gpu.tuner_interference_against_a_pinned_run(_ctx(tmp_path, f"p{tuner}"), run)
+        assert (got.problem == "") == passes, got
+        assert got.figures["pinned_run_interference"] == pytest.approx(1 / 3, abs=1e-4)
+    flags = asked[-1]
+    assert flags[flags.index("--fl-sync-dtype") + 1] == "int8" and "--fl-error-feedback" in flags
+    assert flags[flags.index("--fl-overlap-steps") + 1] == "1" and "--log-interval" in flags
+
+
 def test_the_gloo_probe_and_the_codec_timing_are_right_on_cpu_tensors():
     """The probe's closed forms hold where gloo runs every collective (CPU tensors): each 'ok';
     the codec script's codes equal the CPU's and its error is within half a step."""

@@ -120,6 +120,22 @@ def test_the_rule_prefers_exactness_only_within_the_tolerance():
     assert choose(estimates(0.05), tolerance=0.03).runner_up.mode == exact
 
 
+def test_a_choice_from_estimates_can_take_the_mode_cheapest_to_leave_within_the_tolerance():
+    """Before step 1 (estimates the first sync revisits): of the modes within the tolerance, the
+    one whose sync moves the fewest bytes per element (leaving it takes one blocking sync of the
+    whole model in it); of equal bytes the most exact. Outside the tolerance the faster still wins."""
+    modes = [SyncMode("fp32", 0, 1, 8), SyncMode("bf16", 0, 1, 8, False), SyncMode("int4", 0, 1, 8, True),
+             SyncMode("int4", 1, 2, 8, True)]
+    speeds = [1000.0, 1010.0, 1020.0, 1025.0]
+    estimates = [dataclasses.replace(estimate(m, LAYOUT, WORK, _cluster(1), MEASURED), tokens_per_s=v)
+                 for m, v in zip(modes, speeds)]
+    assert choose(estimates, tolerance=0.03).chosen.mode == modes[0]  # the exact average
+    assert choose(estimates, tolerance=0.03, cheapest_to_leave=True).chosen.mode == modes[2]  # int4, blocking
+    assert choose(estimates, tolerance=0.005, cheapest_to_leave=True).chosen.mode == modes[2]  # 1020 >= 0.995 x 1025
+    assert choose(estimates, tolerance=0.0, cheapest_to_leave=True).chosen.mode == modes[3]
+    assert choose(estimates[:2], tolerance=0.03, cheapest_to_leave=True).chosen.mode == modes[1]  # bf16 < fp32
+
+
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="lowest precision 'fp8' is not one of"):
         TuneBounds(lowest_precision="fp8")

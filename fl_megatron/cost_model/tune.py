@@ -137,8 +137,11 @@ class TuneChoice:
 
 
 def choose(estimates: Sequence[ModeEstimate], tolerance: float = 0.03,
-           memory_limit_bytes: Optional[float] = None) -> TuneChoice:
-    """The most exact mode predicted within `tolerance` of the fastest that fits in memory."""
+           memory_limit_bytes: Optional[float] = None, cheapest_to_leave: bool = False) -> TuneChoice:
+    """The most exact mode predicted within `tolerance` of the fastest that fits in memory; with
+    `cheapest_to_leave` (a choice from estimates that measured figures will revisit) the one of
+    them whose sync moves the fewest bytes per element, the most exact of those: leaving a mode
+    takes one blocking sync of the whole model in it."""
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance={tolerance} must be in [0, 1)")
     fits = [e for e in estimates if memory_limit_bytes is None or e.memory_bytes is None
@@ -150,15 +153,19 @@ def choose(estimates: Sequence[ModeEstimate], tolerance: float = 0.03,
                          f"{memory_limit_bytes / 2**30:.1f} GiB")
     ranked = tuple(sorted(fits, key=lambda e: (-e.tokens_per_s, e.mode.caution())))
     fastest = ranked[0].tokens_per_s
-    chosen = min((e for e in ranked if e.tokens_per_s >= (1 - tolerance) * fastest), key=lambda e: e.mode.caution())
+    def preference(e: ModeEstimate) -> tuple:
+        return ((wire_bytes_per_element(e.mode.sync_dtype),) if cheapest_to_leave else ()) + e.mode.caution()
+
+    chosen = min((e for e in ranked if e.tokens_per_s >= (1 - tolerance) * fastest), key=preference)
     runner_up = next((e for e in ranked if e is not chosen), None)
     return TuneChoice(chosen, runner_up, ranked, over)
 
 
 def tune(bounds: TuneBounds, layout: Layout, work: Workload, cluster: Cluster, measured: Measured,
          replica_split: bool = True, memory_of: Optional[Callable[[SyncMode], float]] = None,
-         tolerance: float = 0.03, step_seconds: Optional[float] = None) -> TuneChoice:
+         tolerance: float = 0.03, step_seconds: Optional[float] = None,
+         cheapest_to_leave: bool = False) -> TuneChoice:
     """Estimate every mode the bounds allow and choose."""
     estimates = [estimate(m, layout, work, cluster, measured, replica_split, memory_of(m) if memory_of else None,
                           step_seconds) for m in candidate_modes(bounds)]
-    return choose(estimates, tolerance, bounds.memory_limit_bytes)
+    return choose(estimates, tolerance, bounds.memory_limit_bytes, cheapest_to_leave)

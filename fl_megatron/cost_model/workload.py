@@ -41,15 +41,17 @@ def regathered_params(backend: str, num_params: int, root_params: int, deepspeed
 
 
 def workload_for(run: ResolvedRun, compute_seconds: Optional[float] = None,
-                 counts: Optional[tuple[int, int, int]] = None) -> Workload:
-    """The run's workload; compute time from --compute-seconds, else from FLOPs at --mfu of --peak-tflops."""
+                 counts: Optional[tuple[int, int, int]] = None, peak_tflops: Optional[float] = None) -> Workload:
+    """The run's workload; compute time from --compute-seconds, else from FLOPs at --mfu of
+    `peak_tflops` (a rate measured on the device), else of --peak-tflops."""
     cfg, t, c = run.cfg, run.cfg.training, run.cfg.cluster
     total, root, blocks = counts or parameter_counts(cfg.model)
     tokens_per_rank = t.micro_batch_size * run.accumulation * t.seq_length
     if compute_seconds is None:
         compute_seconds = c.compute_seconds
     if compute_seconds is None:
-        compute_seconds = flops_seconds(total, cfg.model, t.seq_length, tokens_per_rank, c.peak_tflops, c.mfu,
+        compute_seconds = flops_seconds(total, cfg.model, t.seq_length, tokens_per_rank,
+                                        peak_tflops or c.peak_tflops, c.mfu,
                                         t.recompute_activations)
     param_bytes = working_bytes(t.bf16)
     grad_bytes = gradient_bytes(cfg)

@@ -34,8 +34,16 @@ from ..cost_model.workload import workload_for
 from ..costs import wire_bytes_per_element
 from ..federation.groups import ProcessGroups
 from ..federation.link_probe import LinkProbe
+from .compute_probe import ComputeRate, measure_compute_rate
 from .dry_run import mode_memory, model_sizes
 
+# a large dense product reaches about this share of a GPU's nominal peak (what --mfu is a share of):
+# the peak a measured product rate stands for
+DENSE_PRODUCT_SHARE = 0.75
+# before step 1, where the trial step measures an overlap's interference only later: what it
+# usually is. NCCL on a stream of its own slows the step's kernels a little (memory bandwidth,
+# SMs); gloo's threads share the CPU ranks' cores (0.12 to 0.43 measured on the 2-core harness)
+START_INTERFERENCE = {"cuda": 0.1, "cpu": 0.5}
 WARMUP_STEPS = 1  # steps left out of the measured step time (the first one builds and warms up)
 
 
@@ -114,20 +122,55 @@ class SyncTuner:
         self.syncs_since_check += 1
 
     # --- deciding -------------------------------------------------------------------------
-    def choose_at_start(self, now: SyncMode) -> SyncMode:
-        """Before step 1 (one world): a first choice from the probed links and the compute time
-        the dry run estimates (--compute-seconds, else FLOPs at --mfu of --peak-tflops), so that no
-        interval runs in a mode the probe already rules out. The first sync refines it with the
-        measured step time (its decision is still the first choice). The same on every rank: the
-        probe's figures are the job's, the estimate the config's. Returns the mode to start in."""
-        compute_s = workload_for(self.run, counts=self.counts).compute_seconds
-        choice = self._choose(compute_s)
+    def measure_compute(self) -> ComputeRate:
+        """The device's rate for the model's own matrix products, timed on every rank of the job
+        at once (the slowest rank's: the same on each), for the compute estimate before step 1."""
+        model, t = self.run.cfg.model, self.run.cfg.training
+        dtype = torch.bfloat16 if t.bf16 else torch.float32
+
+        def agree(seconds: float) -> float:
+            figure = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+            self._agree(figure)
+            return float(figure)
+
+        return measure_compute_rate(self.device, dtype, t.micro_batch_size * t.seq_length, model.hidden_size,
+                                    model.ffn_hidden_size or 4 * model.hidden_size, agree)
+
+    def choose_at_start(self, now: SyncMode, rate: Optional[ComputeRate] = None) -> SyncMode:
+        """Before step 1 (one world): a first choice from the probed links and the compute time a
+        step should take (--compute-seconds, else the model's FLOPs at --mfu of the peak the
+        device's measured `rate` stands for, else of --peak-tflops), so that no interval runs in a mode the probe
+        already rules out. The first sync refines it with the measured step time (its decision is
+        still the first choice). The same on every rank: the probe's figures and the rate are the
+        job's. Returns the mode to start in."""
+        given = self.run.cfg.cluster.compute_seconds is not None
+        peak = rate.tflops / DENSE_PRODUCT_SHARE if rate is not None and not given else None
+        compute_s = workload_for(self.run, counts=self.counts, peak_tflops=peak).compute_seconds
+        source = ("--compute-seconds" if given else
+                  f"FLOPs at {self.run.cfg.cluster.mfu:g} of a peak of {peak:.3g} TFLOP/s, from the {rate.tflops:.3g} "
+                  f"this device's products ran at" if peak is not None
+                  else f"FLOPs at {self.run.cfg.cluster.mfu:g} of --peak-tflops")
+        measured, prior = self.measured, None
+        if not measured.overlap_interference and self.trial_step is not None:  # the trial will measure it
+            prior = START_INTERFERENCE.get(self.device.type, START_INTERFERENCE["cpu"])
+            measured = dataclasses.replace(measured, overlap_interference=prior)
+        choice = self._choose(compute_s, measured)
+        # the first sync chooses again; a different choice there costs one blocking sync in this
+        # mode. Where that costs more than the tolerance of an interval, of the modes within the
+        # tolerance the one cheapest to leave (fewest bytes), not the most exact
+        fed = self.run.cfg.federation
+        if choice.chosen.sync_seconds > fed.tune_tolerance * fed.sync_interval * compute_s:
+            choice = self._choose(compute_s, measured, cheapest_to_leave=True)
         mode = choice.chosen.mode
+        assumed = f", an overlap assumed to slow a step by {prior:.0%} until the trial measures it" if prior else ""
         self.say(f"  fl-tune before step 1: from the probed links and the estimated compute time ({compute_s:.3g} s "
-                 f"a step), {'starting in' if mode != now else 'keeping'} " + choice.text()
+                 f"a step, {source}){assumed}, {'starting in' if mode != now else 'keeping'} " + choice.text()
                  + "\n    (the first sync chooses again from the measured steps)")
         self.start_choice = {"mode": mode.fields(), "label": mode.label(), "estimated_step_seconds": compute_s,
-                             "predicted_tokens_per_s": choice.chosen.tokens_per_s}
+                             "predicted_tokens_per_s": choice.chosen.tokens_per_s,
+                             **({"overlap_interference_prior": prior} if prior is not None else {}),
+                             **({"device_rate": {**dataclasses.asdict(rate), "tflops": rate.tflops}}
+                                if peak is not None else {})}
         return mode
 
     def decide(self, step: int, now: SyncMode) -> Optional[SyncMode]:
@@ -270,11 +313,12 @@ class SyncTuner:
         return estimate(mode, self.run.layout, workload_for(self.run, step_s, self.counts), self.cluster,
                         self.measured, fed.replica_split, step_seconds=step_s)
 
-    def _choose(self, step_s: float) -> TuneChoice:
+    def _choose(self, step_s: float, measured: Optional[Measured] = None, cheapest_to_leave: bool = False) -> TuneChoice:
         fed = self.run.cfg.federation
         return tune(self.bounds, self.run.layout, workload_for(self.run, step_s, self.counts), self.cluster,
-                    self.measured, fed.replica_split, lambda mode: mode_memory(self.run, self.counts, self.largest, mode),
-                    fed.tune_tolerance, step_seconds=step_s)
+                    measured or self.measured, fed.replica_split,
+                    lambda mode: mode_memory(self.run, self.counts, self.largest, mode),
+                    fed.tune_tolerance, step_seconds=step_s, cheapest_to_leave=cheapest_to_leave)
 
     # --- checkpoints ----------------------------------------------------------------------
     def state(self) -> dict:

@@ -119,6 +119,7 @@ def start_tuning(run: ResolvedRun, probe_scope: Optional[str], groups, files: Ru
     across = probe_scope == "job"
     codecs = PRECISIONS[1:PRECISIONS.index(fed.tune_lowest_precision) + 1] if fed.tune else ()
     # what an overlap costs: at the probe only where no step can be timed beside a trial exchange
+    # (its loop, about a second and a half on CPU ranks, would cost more start-up than it saves)
     overlap = groups.exchange_peer if fed.tune and fed.tune_overlap and trial_step(fed) is None else None
     probe = probe_links(groups, device, codecs, overlap, across_groups=across)
     cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
@@ -131,7 +132,8 @@ def start_tuning(run: ResolvedRun, probe_scope: Optional[str], groups, files: Ru
         if mode is not None:
             say(f"  fl-tune: resuming in the mode the checkpoint's run chose: {mode.label()}")
         elif across:  # one world: the groups agreed the probe, so each rank makes the same first choice now
-            mode = tuner.choose_at_start(fed.mode)
+            rate = tuner.measure_compute() if run.cfg.cluster.compute_seconds is None else None
+            mode = tuner.choose_at_start(fed.mode, rate)
             extras["fl_tune_start"] = tuner.start_choice
     files.write_config(config_to_json(run.cfg, extras))
     return TuningHook(tuner, device), state, mode

@@ -25,6 +25,10 @@ EIGHT_B_CUT = ["--model", "llama3.1-8b", "--num-layers", "8", "--seq-length", "8
 # large enough that a step is the GPU's work, not Python's: the tuner times a step beside an exchange
 MEDIUM = ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "2816", "--num-attention-heads", "8",
           "--vocab-size", "32000", "--seq-length", "1024", "--micro-batch-size", "4"]
+# the tuner's check: its run, then one pinned to the overlap it measured (landings at steps 5 and
+# 9, steps 2, 3, 6, 7, 10 and 11 alone)
+TUNE_RUN = [*MEDIUM, "--fl-sync-interval", "4", "--train-iters", "8"]
+PINNED_TUNE_RUN = [*MEDIUM, "--fl-sync-interval", "4", "--train-iters", "12"]
 # DeepSpeed's FusedAdam is built on first use (a JIT nvcc build, a minute or more): torch's Adam here
 DEEPSPEED_TORCH_ADAM = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
 
@@ -153,11 +157,9 @@ def _gloo_gaps(ctx) -> str:
 def two_groups_on_one_gpu(name: str, *flags: str, judge=None, identical: bool = True):
     """Two federation groups of one rank each, both processes on the one GPU, on gloo: `flags`'
     sync; finite losses, the groups identical after the last sync (the checkpoint's tensors;
-    `identical`), then `judge`."""
+    `identical`), then `judge(ctx, run_dir)`."""
     def run(ctx) -> Outcome:
-        base = ["--train-iters", "6", "--fl-sync-interval", "2", "--bf16", "--fl-group-size", "1"]
-        proc = common.pretrain(ctx, name, 2, *base, *flags, "--save", str(ctx.work / name / "ckpt"),
-                               env=ONE_GPU_GLOO)
+        proc = _two_groups(ctx, name, *flags, "--save", str(ctx.work / name / "ckpt"))
         if proc.returncode:
             gaps = _gloo_gaps(ctx)
             if gaps:  # what gloo cannot do on CUDA, not our sync: say so, with the run's last line
@@ -166,8 +168,13 @@ def two_groups_on_one_gpu(name: str, *flags: str, judge=None, identical: bool = 
         same = common.groups_identical(ctx.work / name / "ckpt") if identical else True
         if not same or not finite(losses(ctx.work / name)):
             return Outcome(f"groups identical after the last sync: {same}, losses {losses(ctx.work / name)}")
-        return judge(ctx.work / name) if judge else Outcome("", {}, "both groups identical after the last sync")
+        return judge(ctx, ctx.work / name) if judge else Outcome("", {}, "both groups identical after the last sync")
     return run
+
+
+def _two_groups(ctx, name: str, *flags: str):
+    base = ["--train-iters", "6", "--fl-sync-interval", "2", "--bf16", "--fl-group-size", "1"]
+    return common.pretrain(ctx, name, 2, *base, *flags, env=ONE_GPU_GLOO)
 
 
 def tuner_interference(run_dir: Path) -> Outcome:
@@ -186,3 +193,59 @@ def tuner_interference(run_dir: Path) -> Outcome:
     source = last.get("overlap_interference_from")
     how = "a trial step beside a trial exchange" if isinstance(source, dict) else (source or "the link probe")
     return Outcome("", figures, f"an exchange beside a step slows it by {value:.0%} (from {how}; gloo on one GPU)")
+
+
+INTERFERENCE_MATCH = 0.2   # the tuner's interference against a pinned run's: within 20 % of the larger,
+INTERFERENCE_FLOOR = 0.05  # or this close (two figures near zero differ by more than 20 % and mean the same)
+
+
+def interference_of_a_run(records: list[dict]) -> float | None:
+    """The interference an overlapped run met, as the tuner defines it: per landing step, its time
+    less the landing's wait (the step computed beside the exchange) less the median time of the
+    steps with no exchange beside them, over the exchange's seconds (at most the step's); the
+    median over the landings. None without a landing to measure (records need --log-interval 1)."""
+    by_step = {r["step"]: r for r in records if "elapsed_s" in r}
+    duration = {s: r["elapsed_s"] - by_step[s - 1]["elapsed_s"] for s, r in by_step.items() if s - 1 in by_step}
+    last = max(by_step, default=0)
+    landings = [s for s, r in by_step.items() if r.get("sync_exchange_seconds") and s != last and s in duration
+                and not by_step[s - 1].get("sync_exchange_seconds")]
+    near = {s for land in landings for s in (land - 1, land)}  # the launch and the landing
+    alone = [d for s, d in duration.items() if s not in near and s != last and not by_step[s].get("synced")]
+    if not landings or not alone:
+        return None
+    baseline = statistics.median(alone)
+    values = []
+    for land in landings:
+        beside = duration[land] - by_step[land].get("sync_seconds", 0.0)
+        exchange = by_step[land]["sync_exchange_seconds"]
+        values.append(max(0.0, beside - baseline) / max(min(exchange, beside), 1e-9))
+    return statistics.median(values)
+
+
+def interference_matches(tuner: float, run: float) -> bool:
+    return abs(tuner - run) <= max(INTERFERENCE_MATCH * max(tuner, run), INTERFERENCE_FLOOR)
+
+
+def tuner_interference_against_a_pinned_run(ctx, run_dir: Path) -> Outcome:
+    """The tuner's interference is a fraction, and a run pinned to overlap 1 in the trial's
+    precision (same model, H and groups) meets the same within 20 % (interference_of_a_run)."""
+    got = tuner_interference(run_dir)
+    if got.problem or got.skipped:
+        return got
+    trial = (got.figures.get("overlap_interference_from") or {}).get("trial") or {}
+    dtype = trial.get("sync_dtype", "int4")
+    pinned = ["--fl-sync-dtype", dtype, "--fl-overlap-steps", "1", "--log-interval", "1"]
+    if dtype != "fp32":
+        pinned.append("--fl-error-feedback")
+    proc = _two_groups(ctx, "tune-pinned", *PINNED_TUNE_RUN, *pinned)
+    if proc.returncode:
+        return Outcome(f"the run pinned to overlap 1 ({dtype}): {failed(proc)}", got.figures)
+    run = interference_of_a_run(common.read_records(ctx.work / "tune-pinned" / "metrics.jsonl"))
+    if run is None:
+        return Outcome("the pinned run logged no landing with steps alone beside it", got.figures)
+    tuner = got.figures["overlap_interference"]
+    figures = {**got.figures, "pinned_run_interference": round(run, 4)}
+    if not interference_matches(tuner, run):
+        return Outcome(f"the tuner measured {tuner:.0%}, a run of overlap 1 ({dtype}) met {run:.0%}: more than "
+                       f"{INTERFERENCE_MATCH:.0%} apart", figures)
+    return Outcome("", figures, got.text + f"; a run of overlap 1 ({dtype}) met {run:.0%}")
