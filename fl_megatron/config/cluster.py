@@ -26,7 +26,8 @@ class ClusterConfig:
     collective_library: str = field(default="nccl", metadata={
         "help": "nccl or gloo: gloo's reduce-scatter is an all-reduce plus a slice (twice the bytes)"})
     peak_tflops: float = field(default=312.0, metadata={
-        "help": "peak dense TFLOP/s of one rank in the compute dtype (A100 bf16: 312)"})
+        "help": "peak dense TFLOP/s of one rank in the compute dtype (A100 bf16: 312), for the dry run's "
+                "estimates; a --fl-tune run times its own device instead"})
     mfu: float = field(default=0.4, metadata={
         "help": "model FLOPs utilisation assumed for the compute time (fraction of peak)"})
     compute_seconds: Optional[float] = field(default=None, metadata={

@@ -180,7 +180,6 @@ def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple
     with `overlap_group` (the exchange's own peer communicator) also the overlap's interference.
     `across_groups` False (elastic mode: the groups meet only at syncs): the federation group and
     the codec alone, agreed inside the group; the links between groups are left to the syncs."""
-    start = time.perf_counter()
     layout = groups.layout
 
     def agree(seconds: float) -> float:
@@ -190,6 +189,9 @@ def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.federation)
         return float(t)
+
+    agree(0.0)  # every rank here: the probe's time is its own, not the wait for the last rank to arrive
+    start = time.perf_counter()
 
     fed_ranks = federation_groups(layout)[groups.coords[0]]
     timings = [probe_group("peer", groups.peer, layout.num_groups, groups.tier("peer"), device, agree)] \

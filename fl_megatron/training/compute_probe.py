@@ -50,7 +50,9 @@ def measure_compute_rate(device: torch.device, dtype: torch.dtype, rows: int, in
                          agree: Callable[[float], float]) -> ComputeRate:
     """Time products of the given shape on `device`: each rank finds how many take MIN_SECONDS on
     its own, then every rank times the largest such count. `agree(figure)` returns the job's MAX
-    (two calls), so that every rank ends with the same rate: the slowest rank's."""
+    (three calls: the first only gathers the ranks), so that every rank ends with the same rate:
+    the slowest rank's."""
+    agree(0.0)  # every rank here: the time is the measurement's, not the wait for the last rank
     began = time.perf_counter()
     a = torch.randn(rows, inner, device=device, dtype=dtype)
     b = torch.randn(inner, cols, device=device, dtype=dtype)
