@@ -42,7 +42,8 @@ from .dry_run import mode_memory, model_sizes
 DENSE_PRODUCT_SHARE = 0.75
 # before step 1, where the trial step measures an overlap's interference only later: what it
 # usually is. NCCL on a stream of its own slows the step's kernels a little (memory bandwidth,
-# SMs); gloo's threads share the CPU ranks' cores (0.12 to 0.43 measured on the 2-core harness)
+# SMs); gloo's threads share the CPU ranks' cores (0.12 to 0.69 measured by trial steps on the
+# 2-core harness)
 START_INTERFERENCE = {"cuda": 0.1, "cpu": 0.5}
 WARMUP_STEPS = 1  # steps left out of the measured step time (the first one builds and warms up)
 
