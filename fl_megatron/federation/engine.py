@@ -117,7 +117,7 @@ class FederationEngine:
     # --- after each step ----------------------------------------------------------------------
     def after_step(self, step: int, last: bool = False, loss: Optional[torch.Tensor] = None,
                    figures: Optional[GroupFigures] = None, full: bool = False,
-                   due: Optional[bool] = None) -> Optional[SyncResult]:
+                   due: Optional[bool] = None, switch: Optional[SyncMode] = None) -> Optional[SyncResult]:
         """Call after optimizer step `step` (1-based) with the group's figures of that step (or
         just a `loss`); syncs when due and returns what it did (a landing that came first, at this
         step, rides along as `landed`). The vote lands in `self.vote`. `full`: a due sync averages
@@ -125,11 +125,15 @@ class FederationEngine:
         whether a sync follows, where the caller plans the rounds (per-group step counts; `step`
         is then the round's federation step, the same on every group). In one world a sync's
         variance and rms are carried to the next sync's vote (its result's `carried`), but for
-        the last sync's and a `full` one's, which take a round of their own."""
+        the last sync's and a `full` one's, which take a round of their own. `switch`: a mode to
+        sync in from this step on, switched to between syncs (`can_switch_between_syncs`) after
+        landing a sync in flight and before this step's sync, if the new mode has one due here."""
         landed = None
         now = last or full
-        if self.flight is not None and (step >= self.flight.due or now):
+        if self.flight is not None and (step >= self.flight.due or now or switch is not None):
             landed = self.land(metrics_now=now)
+        if switch is not None:
+            self.switch_mode(switch, between_syncs=True)
         if not (self.due(step, last) if due is None else due):
             return landed
         if figures is None:
@@ -312,14 +316,21 @@ class FederationEngine:
                        max_samples=self.config.consensus_samples)
 
     # --- the mode, and the state a checkpoint or a heal carries ---------------------------------
-    def switch_mode(self, mode: SyncMode) -> None:
-        """Sync in `mode` from now on (--fl-tune). Call right after a full sync, with nothing in
-        flight: the anchors equal the shards then, and the sync state is carried over (sync_state.py)."""
+    def switch_mode(self, mode: SyncMode, between_syncs: bool = False) -> None:
+        """Sync in `mode` from now on (--fl-tune), with nothing in flight. Right after a full sync
+        the anchors equal the shards; `between_syncs`, each element's anchor is carried over from
+        this mode's (see `can_switch_between_syncs`). The sync state goes along (sync_state.py)."""
         if self.flight is not None:
-            raise RuntimeError("switch_mode: a sync is in flight; land it with a full sync first")
+            raise RuntimeError("switch_mode: a sync is in flight; land it first")
         if mode.overlap_steps:
             self._check_exchange_groups("an overlapped sync")
-        self.state = self.state.switched(self.config.with_mode(mode), self.backend.local_shards())
+        self.state = self.state.switched(self.config.with_mode(mode), self.backend.local_shards(), between_syncs)
+
+    def can_switch_between_syncs(self, mode: SyncMode) -> bool:
+        """Whether `mode` can take over with no full sync first: it needs no anchors (the plain
+        fp32 average) or the current mode's carry over (not from a plain average, not for groups of
+        unequal size)."""
+        return self.state.can_switch_between_syncs(self.config.with_mode(mode))
 
     def _check_exchange_groups(self, what: str) -> None:
         if not self.groups.has_exchange_groups():

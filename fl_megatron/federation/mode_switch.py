@@ -3,7 +3,8 @@
 Each fragment's outer optimizer keeps its state per view of the shards (fragments.py cuts the
 shards, taken as one flat sequence, into contiguous ranges). The state of all fragments is
 written into shard-shaped buffers through the old cut, then read back through the new one, so
-every element keeps its own momentum (or Adam moments) whatever the fragments become.
+every element keeps its own momentum (or Adam moments) whatever the fragments become. A switch
+between syncs carries the anchors the same way (`copy_in_element_order`), element by element.
 """
 
 import torch
@@ -38,3 +39,21 @@ def recut_outer_state(old: list[OuterOptimizer], old_fragments: int, new: list[O
             if "step" in first:
                 state["step"] = first["step"].clone()
             outer.optimizer.state[anchor] = state
+
+
+@torch.no_grad()
+def copy_in_element_order(source: list[torch.Tensor], target: list[torch.Tensor]) -> None:
+    """Copy `source` into `target`, both taken as one flat sequence of elements (each list in the
+    shards' element order, cut differently): no buffer of the whole, one slice at a time."""
+    sources, targets = [t.view(-1) for t in source], [t.view(-1) for t in target]
+    if sum(t.numel() for t in sources) != sum(t.numel() for t in targets):
+        raise ValueError("copy_in_element_order: the two cuts hold different numbers of elements")
+    j, at_target = 0, 0
+    for piece in sources:
+        at_source = 0
+        while at_source < piece.numel():
+            while targets[j].numel() == at_target:
+                j, at_target = j + 1, 0
+            n = min(piece.numel() - at_source, targets[j].numel() - at_target)
+            targets[j].narrow(0, at_target, n).copy_(piece.narrow(0, at_source, n))
+            at_source, at_target = at_source + n, at_target + n

@@ -13,7 +13,7 @@ from ..config.sync_mode import SyncMode
 from .averaging import ShardAverager
 from .fragments import fragment_views
 from .ledger import CommLedger
-from .mode_switch import recut_outer_state
+from .mode_switch import copy_in_element_order, recut_outer_state
 from .outer import OuterOptimizer
 
 
@@ -105,18 +105,32 @@ class SyncState:
         return [OuterOptimizer(views, s.outer_optimizer, s.resolved_outer_lr, s.outer_momentum)
                 for views in self.views(shards)]
 
-    def switched(self, settings: FederationConfig, shards: list[torch.Tensor]) -> "SyncState":
-        """This state carried into `settings`' mode, over `shards` (right after a full sync, so the
-        anchors equal the shards). Residuals carry over while the precision and the fragments stay
-        (otherwise at most one quantisation step of each element is not sent again); the outer
-        optimizer's per-element state is re-cut for the new fragments."""
+    def switched(self, settings: FederationConfig, shards: list[torch.Tensor], between_syncs: bool = False) -> "SyncState":
+        """This state carried into `settings`' mode, over `shards`: right after a full sync (the
+        anchors equal the shards), or `between_syncs` (nothing in flight): each element keeps its
+        anchor, its value at its last sync, under the new cut. Residuals carry over while the
+        precision and the fragments stay (otherwise at most one quantisation step of each element
+        is not sent again); the outer optimizer's per-element state is re-cut for the new fragments.
+        At most one more copy of the anchors lives during the switch."""
+        if between_syncs and not self.can_switch_between_syncs(settings):
+            raise ValueError(f"no switch to {settings.mode.label()} between syncs: it keeps anchors and this mode "
+                             "has none to carry over (or the fragments are cut by atoms); switch after a full sync")
         old = self.settings
         keep = (old.sync_dtype, old.error_feedback, old.fragments) == \
             (settings.sync_dtype, settings.error_feedback, settings.fragments)
         new = SyncState(settings, self.averaging, lambda: shards, self.active, self.averagers if keep else None)
         if self.outers and new.outers:
+            if between_syncs:
+                copy_in_element_order([a for o in self.outers for a in o.anchors],
+                                      [a for o in new.outers for a in o.anchors])
             recut_outer_state(self.outers, self.fragments, new.outers, new.fragments, shards)
         return new
+
+    def can_switch_between_syncs(self, settings: FederationConfig) -> bool:
+        """Whether `settings`' mode can take over between syncs: it averages the shards themselves
+        (the plain average), or this mode's anchors carry over. Groups of unequal size cut their
+        fragments by atoms, which the carried anchors do not follow."""
+        return self.active and self.averaging.atoms is None and (settings.plain_average or bool(self.outers))
 
     # --- what a checkpoint, a heal or a rollback carries ----------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -104,9 +104,10 @@ class Trainer:
             figures = dataclasses.replace(figures, **rounds.vote_fields())
         self.phases.enter("sync", done)
         choice = self.tuning.decide(done, self.engine.mode, voting, last)
+        before, choice = self.tuning.before_or_after(self.engine, choice, planned=bool(rounds))
         full = self.tuning.ask(choice, figures)
         try:
-            sync = self.engine.after_step(at, last=last, loss=loss, figures=figures, full=full, due=due)
+            sync = self.engine.after_step(at, last=last, loss=loss, figures=figures, full=full, due=due, switch=before)
         except TooFewGroups as e:  # every rank of the group waited out the same quorum: the step stands
             return StepOutcome(loss, norm, lr, None, figures, e)
         switch = self.tuning.agreed(self.engine, sync, choice, done, voting)

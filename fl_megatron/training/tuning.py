@@ -1,7 +1,9 @@
 """--fl-tune in a run: choose the sync mode at the first sync from the probed links and the measured
 step time, then every --fl-tune-every syncs compare the measured syncs with the prediction and
-choose again when the links changed. A choice is applied at a sync boundary: that sync averages
-every fragment and blocks, then the engine switches mode (docs/sync-modes.md, "Let it choose").
+choose again when the links changed. A choice is applied at a sync boundary: where the current
+mode's anchors carry over, before that sync, which runs in the new mode; otherwise (from the
+plain fp32 average into a mode with anchors, and in elastic mode) that sync averages every
+fragment and blocks, then the engine switches mode (docs/sync-modes.md, "Let it choose").
 
 Every rank decides the same: the figures a decision uses are the slowest rank's of the job
 (reduced inside the group, then over the peer group, at a sync step where the groups meet
@@ -175,8 +177,8 @@ class SyncTuner:
         return mode
 
     def decide(self, step: int, now: SyncMode) -> Optional[SyncMode]:
-        """At a due sync after `step`, in mode `now`: the new mode when it should change (this sync
-        then averages every fragment and blocks, and the caller switches after it), else None.
+        """At a due sync after `step`, in mode `now`: the new mode when it should change (the caller
+        switches before this sync or after it, tuning_hook.before_or_after), else None.
         Logs every decision."""
         fed = self.run.cfg.federation
         if self.decided and not (fed.tune_every and self.syncs_since_check >= fed.tune_every):

@@ -61,6 +61,21 @@ class TuningHook:
             return None
         return self.tuner.decide(done, mode)
 
+    def before_or_after(self, engine, choice: Optional[SyncMode], planned: bool
+                        ) -> tuple[Optional[SyncMode], Optional[SyncMode]]:
+        """Where `choice` applies: (the mode to switch to before the due sync, the one to switch to
+        after it). In one world every group chose the same, so where the current mode's anchors
+        carry over (`engine.can_switch_between_syncs`) the due sync already runs in the new mode;
+        otherwise, in elastic mode (the vote agrees it) and under planned rounds (per-group step
+        counts: the rounds plan the current mode's syncs), after a full sync."""
+        if choice is None or self.by_vote:
+            return None, choice
+        before = not planned and engine.can_switch_between_syncs(choice)
+        if self.tuner.last_record is not None:
+            self.tuner.last_record["tune"]["applied"] = "before this sync" if before else \
+                "after this sync, which averages every fragment and blocks"
+        return (choice, None) if before else (None, choice)
+
     def ask(self, choice: Optional[SyncMode], figures) -> bool:
         """Put `choice` to the groups: whether the due sync must average every fragment and block.
         In one world every group chose the same, so it must; in elastic mode the choice rides on
