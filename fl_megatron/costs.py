@@ -37,6 +37,30 @@ _PLAIN_WIRE_BYTES = MappingProxyType({"fp32": 4.0, "bf16": 2.0})
 _OUTER_STATE_SHARDS = MappingProxyType({"fedavg": 1, "nesterov": 2, "adam": 3})
 
 
+# The sparse sync (--fl-topk-density): in every chunk of SPARSE_CHUNK elements the k largest
+# magnitudes travel, each as a chunk-local index of SPARSE_INDEX_BITS (two to three bytes) and a
+# value code; integer codes carry one fp32 scale per chunk (federation/sparse.py)
+SPARSE_CHUNK = 4096
+SPARSE_INDEX_BITS = 12
+SPARSE_VALUE_BITS = MappingProxyType({"int2": 2, "int4": 4, "int8": 8, "bf16": 16})
+
+
+def sparse_picks(density: float) -> int:
+    """Values sent per chunk at `density` (at least one)."""
+    if not 0 < density <= 1:
+        raise ValueError(f"--fl-topk-density must lie in (0, 1], not {density}")
+    return max(1, round(density * SPARSE_CHUNK))
+
+
+def sparse_payload_bytes(elements: int, density: float, value_dtype: str) -> int:
+    """One rank's sparse payload for a region of `elements` (padded to whole chunks): the scales,
+    the value codes, the indices, and up to 3 bytes that keep every payload 4-byte aligned."""
+    chunks = -(-elements // SPARSE_CHUNK)
+    picks, bits = chunks * sparse_picks(density), SPARSE_VALUE_BITS[value_dtype]
+    scales = chunks * 4 if bits < 16 else 0
+    return -(-(scales + -(-picks * bits // 8) + -(-picks // 2) * 3) // 4) * 4
+
+
 def working_bytes(bf16: bool) -> int:
     """Bytes per element of the model's working copy (parameters gathered for compute)."""
     return 2 if bf16 else 4
