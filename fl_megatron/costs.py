@@ -66,8 +66,13 @@ def working_bytes(bf16: bool) -> int:
     return 2 if bf16 else 4
 
 
-def wire_bytes_per_element(sync_dtype: str) -> float:
-    """Bytes one shard element occupies on the inter-group wire (int8/int4: plus its block's scale)."""
+def wire_bytes_per_element(sync_dtype: str, topk_density: float = 0.0) -> float:
+    """Bytes one shard element occupies on the inter-group wire (int8/int4: plus its block's scale;
+    the sparse sync: its payload's share, which an all-gather hands to every other group)."""
+    if topk_density:
+        bits, picks = SPARSE_VALUE_BITS[sync_dtype], sparse_picks(topk_density)
+        scale = 4 if bits < 16 else 0
+        return (scale + picks * (bits + SPARSE_INDEX_BITS) / 8) / SPARSE_CHUNK
     if sync_dtype in QUANT_BITS:
         return QUANT_BITS[sync_dtype] / 8 + 4.0 / QUANT_BLOCK
     if sync_dtype not in _PLAIN_WIRE_BYTES:
@@ -230,8 +235,8 @@ def step_comm(layout: Layout, num_params: int, param_bytes: int = 2,
     return CommBreakdown(tuple(entries))
 
 
-def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
-              replica_split: bool = True, graph: str = "complete") -> CommBreakdown:
+def sync_comm(layout: Layout, num_params: int, master_bytes: float = 4,
+              replica_split: bool = True, graph: str = "complete", gathered: bool = False) -> CommBreakdown:
     """Per-rank traffic of one federation sync over the F groups (fp32 master shards).
 
     FSDP: all-reduce of the Psi/G shard over the peer group: 2*(Psi/G)*(F-1)/F.
@@ -239,6 +244,8 @@ def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
     HSDP with replica_split: each replica averages a 1/P slice, 2*(Psi/(S*P))*(F-1)/F,
     then the replica group all-gathers the slices: (Psi/S)*(P-1)/P.
     A gossip `graph` sends the same piece to each of its out-neighbours instead (none: nothing).
+    `gathered` (the sparse sync): every group's payload all-gathered, (F-1) payloads of the piece
+    at `master_bytes` per element; the replicas then gather fp32 slices.
     """
     _check_params(num_params)
     f, p, s = layout.num_groups, layout.replicas, layout.shard_size
@@ -247,22 +254,26 @@ def sync_comm(layout: Layout, num_params: int, master_bytes: int = 4,
     split = replica_split and p > 1
     shard = num_params / s
     piece = shard / p if split else shard
-    if graph == "complete":
+    if graph == "complete" and gathered:
+        entries = _collective(layout, "all_gather_peers", "all_gather", "peer", f, piece * f, master_bytes)
+    elif graph == "complete":
         entries = _collective(layout, "all_reduce_peers", "all_reduce", "peer", f, piece, master_bytes)
     else:
         entries = [Collective(f"gossip_{graph}", "send", "peer", f, INTER_GROUP, group_tier(layout, "peer"),
                               piece * out_degree(graph, f), master_bytes)]
     if split:
         entries += _collective(layout, "all_gather_replica_slices", "all_gather", "replica",
-                               p, shard, master_bytes)
+                               p, shard, 4 if gathered else master_bytes)
     return CommBreakdown(tuple(entries))
 
 
 def average_per_step(layout: Layout, num_params: int, sync_interval: int,
-                     param_bytes: int = 2, grad_bytes: int = 4, master_bytes: int = 4,
+                     param_bytes: int = 2, grad_bytes: int = 4, master_bytes: float = 4,
                      replica_split: bool = True, micro_batches: int = 1,
-                     gathered_once: bool = False, graph: str = "complete") -> Dict[str, float]:
-    """Per-rank bytes per optimizer step, the sync amortised over sync_interval (H) steps.
+                     gathered_once: bool = False, graph: str = "complete",
+                     gathered: bool = False) -> Dict[str, float]:
+    """Per-rank bytes per optimizer step, the sync amortised over sync_interval (H) steps
+    (`gathered`: the sparse sync's all-gather, sync_comm).
 
     H = 0 means no federation sync. Keys: "total", the tiers ("intra-node",
     "inter-node"), the scopes ("intra-group", "inter-group"), "step" and "sync".
@@ -270,7 +281,7 @@ def average_per_step(layout: Layout, num_params: int, sync_interval: int,
     if sync_interval < 0:
         raise ValueError(f"sync_interval={sync_interval} must be >= 0 (0: no sync)")
     step = step_comm(layout, num_params, param_bytes, grad_bytes, micro_batches, gathered_once=gathered_once)
-    sync = (sync_comm(layout, num_params, master_bytes, replica_split, graph) if sync_interval
+    sync = (sync_comm(layout, num_params, master_bytes, replica_split, graph, gathered) if sync_interval
             else CommBreakdown())
     weight = 1 / sync_interval if sync_interval else 0.0
     out = {key: step.bytes_by_tier[key] + weight * sync.bytes_by_tier[key] for key in TIERS}

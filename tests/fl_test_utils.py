@@ -78,3 +78,13 @@ def direct_variance(trainer) -> float:
     totals = torch.tensor([float(sq), float(count)], dtype=torch.float64)
     dist.all_reduce(totals)  # every group's rank holds the same values: the ratio is unchanged
     return float(totals[0] / totals[1])
+
+
+def sync_outcome(trainer, results: list) -> dict:
+    """What a run with a sick group ended with: the sick groups of each sync, whether the groups'
+    shards agree bit for bit and are finite, and the error-feedback residuals' total magnitude."""
+    return {"sick": [list(r.sick_groups) for r in results if r is not None],
+            "identical": peers_identical(trainer),
+            "finite": all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards()),
+            "residuals": sum(float(v.abs().sum()) for k, v in trainer.engine.state_tensors().items()
+                             if "residual." in k)}

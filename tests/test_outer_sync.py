@@ -295,7 +295,7 @@ def _backends_job(rank, world, tmp, cache):
     """Every sync option on every backend: nesterov, int8 with error feedback, overlap 1, the
     moments averaged, a sick group at step 2; after the last (blocking) sync the groups agree on
     their shards and their moments, and every rank holds error-feedback residuals."""
-    from fl_test_utils import peers_identical
+    from fl_test_utils import peers_identical, sync_outcome
 
     out = {}
     for backend in ("fsdp2", "deepspeed", "megatron"):
@@ -308,13 +308,9 @@ def _backends_job(rank, world, tmp, cache):
         os.environ["FL_MEGATRON_FAULT"] = "nan-shard:1@2"
         results = [trainer.step(i)[3] for i in range(6)]
         del os.environ["FL_MEGATRON_FAULT"]
-        out[backend] = {"sick": [list(r.sick_groups) for r in results if r is not None],
-                        "identical": peers_identical(trainer),
-                        "finite": all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards()),
-                        # the moments were averaged too, and each rank carries what its int8 encodings lost
-                        "moments_identical": peers_identical(trainer, trainer.backend.inner_state_shards()),
-                        "residuals": sum(float(v.abs().sum()) for k, v in trainer.engine.state_tensors().items()
-                                         if k.startswith("residual."))}
+        # the moments were averaged too, and each rank carries what its int8 encodings lost
+        out[backend] = {**sync_outcome(trainer, results),
+                        "moments_identical": peers_identical(trainer, trainer.backend.inner_state_shards())}
         trainer.close()
     return out
 

@@ -4,16 +4,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..costs import in_flight_shards, sync_state_shards, wire_bytes_per_element
+from ..costs import SPARSE_VALUE_BITS, in_flight_shards, sync_state_shards, wire_bytes_per_element
 from ..graph_fit import ADA_LEVELS, TOPOLOGIES
-from .sync_mode import SyncMode
+from .sync_mode import PRECISIONS, SyncMode
 
 BACKENDS = ("fsdp2", "deepspeed", "megatron")
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
-SYNC_DTYPES = ("fp32", "bf16", "int8", "int4")
+SYNC_DTYPES = ("fp32", "bf16", "int8", "int4", "int2")  # int2: the sparse sync's values only
 INNER_STATE_POLICIES = ("keep", "average", "reset")
 MAX_FRAGMENTS = 1024  # far more than Streaming DiLoCo's schedules; far fewer than any rank's shard elements
 
+SPARSE_DECAY = 0.95  # the error feedback's decay with --fl-topk-density (SparseLoCo's)
 # the outer learning rate when --fl-outer-lr is not given (nesterov: DiLoCo's 0.7)
 DEFAULT_OUTER_LR = {"fedavg": 1.0, "nesterov": 0.7, "adam": 1e-3}
 
@@ -108,6 +109,15 @@ class FederationConfig:
         default="fp32", metadata={"help": "what crosses groups at a sync: fp32 (exact), bf16, or int8 / int4 with "
                                           "one fp32 scale per block of 256 (summed in fp32 either way; int4 "
                                           "wants --fl-error-feedback)"})
+    topk_density: float = field(
+        default=0.0, metadata={"help": "sparse sync: of every 4,096 elements of the pseudo-gradient (plus its "
+                                       "error-feedback residual) send only the largest magnitudes, this fraction "
+                                       "of them (0.0156: SparseLoCo's 64 of 4,096), the values in --fl-sync-dtype "
+                                       "int2, int4, int8 or bf16 (one fp32 scale per chunk), their places in 12 "
+                                       "bits; needs --fl-error-feedback; 0: dense"})
+    error_feedback_decay: Optional[float] = field(
+        default=None, metadata={"help": "error feedback: the residual is multiplied by this before the next sync adds "
+                                        "it (default: 0.95 with --fl-topk-density, as SparseLoCo; 1 otherwise)"})
     overlap_steps: int = field(
         default=0, metadata={"help": "start each sync in the background and keep training this many steps while it "
                                      "travels (K < H), then merge: the new anchor plus each group's own progress "
@@ -222,7 +232,8 @@ class FederationConfig:
     @property
     def mode(self) -> SyncMode:
         """The sync mode these settings start in (the engine owns the current one)."""
-        return SyncMode(self.sync_dtype, self.overlap_steps, self.fragments, self.sync_interval, self.error_feedback)
+        return SyncMode(self.sync_dtype, self.overlap_steps, self.fragments, self.sync_interval, self.error_feedback,
+                        self.topk_density)
 
     def with_mode(self, mode: SyncMode) -> "FederationConfig":
         """A copy of these settings in `mode` (this object is left as it is)."""
@@ -241,7 +252,7 @@ class FederationConfig:
     @property
     def sync_bytes_per_element(self) -> float:
         """Bytes one shard element occupies on the inter-group wire (the cost model's count)."""
-        return wire_bytes_per_element(self.sync_dtype)
+        return wire_bytes_per_element(self.sync_dtype, self.topk_density)
 
     @property
     def outer_state_shards(self) -> float:
@@ -351,17 +362,47 @@ class FederationConfig:
             errors.append(f"sync_dtype={self.sync_dtype!r} is not one of {', '.join(SYNC_DTYPES)}")
         elif self.error_feedback and self.sync_dtype == "fp32":
             errors.append("error_feedback needs a compressed sync (sync_dtype bf16, int8 or int4): fp32 loses nothing")
+        errors += self._sparse_errors()
         errors += self._gossip_errors()
         errors += self._elastic_errors()
         errors += self._tune_errors()
         if errors:
             raise ValueError("invalid federation settings: " + "; ".join(errors))
 
+    def _sparse_errors(self) -> list[str]:
+        """Problems of the sparse sync (--fl-topk-density) and of the error feedback's decay."""
+        errors = []
+        if self.error_feedback_decay is not None and not 0 < self.error_feedback_decay <= 1:
+            errors.append(f"error_feedback_decay={self.error_feedback_decay} must lie in (0, 1]")
+        if not self.topk_density:
+            if self.sync_dtype == "int2":
+                errors.append("sync_dtype int2 is the sparse sync's only: give --fl-topk-density (e.g. 0.0156)")
+            return errors
+        if not 0 < self.topk_density <= 0.5:
+            errors.append(f"topk_density={self.topk_density} must lie in (0, 0.5] (above half, send dense int4)")
+        if self.sync_dtype not in SPARSE_VALUE_BITS:
+            errors.append(f"topk_density: the values go in sync_dtype {', '.join(SPARSE_VALUE_BITS)}, not "
+                          f"{self.sync_dtype!r}")
+        if not self.error_feedback:
+            errors.append("topk_density needs error_feedback (--fl-error-feedback): what a sparse sync leaves out "
+                          "must be carried into the next one, or it is lost")
+        if self.group_sizes:
+            errors.append("topk_density: groups of unequal size (--fl-group-sizes) average atom by atom, which the "
+                          "sparse sync does not do yet; use equal groups or a dense sync")
+        return errors
+
+    @property
+    def resolved_error_feedback_decay(self) -> float:
+        """The residual's decay: --fl-error-feedback-decay, else 0.95 for the sparse sync, else 1."""
+        if self.error_feedback_decay is not None:
+            return self.error_feedback_decay
+        return SPARSE_DECAY if self.topk_density else 1.0
+
     def _tune_errors(self) -> list[str]:
         """Problems of --fl-tune and its bounds."""
         errors = []
-        if self.tune_lowest_precision not in SYNC_DTYPES:
-            errors.append(f"tune_lowest_precision={self.tune_lowest_precision!r} is not one of {', '.join(SYNC_DTYPES)}")
+        if self.tune_lowest_precision not in PRECISIONS:
+            errors.append(f"tune_lowest_precision={self.tune_lowest_precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.tune_max_sync_interval is not None and self.tune_max_sync_interval < max(self.sync_interval, 1):
             errors.append(f"tune_max_sync_interval={self.tune_max_sync_interval} must be at least "
                           f"sync_interval={self.sync_interval}")

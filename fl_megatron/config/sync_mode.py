@@ -4,25 +4,27 @@ and the engine owns; a switch replaces it whole)."""
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4")  # most exact first
+PRECISIONS = ("fp32", "bf16", "int8", "int4")  # most exact first (the dense syncs')
 COMPRESSED = ("int8", "int4")
+VALUE_CODES = (*PRECISIONS, "int2")  # every sync_dtype, as a number (int2: the sparse sync's only)
 
 
 @dataclass(frozen=True)
 class SyncMode:
-    """What `--fl-sync-dtype`, `--fl-overlap-steps`, `--fl-fragments`, `--fl-sync-interval` and
-    `--fl-error-feedback` say. `error_feedback` left out: on for int8/int4, off otherwise (what
-    --fl-tune picks)."""
+    """What `--fl-sync-dtype`, `--fl-overlap-steps`, `--fl-fragments`, `--fl-sync-interval`,
+    `--fl-error-feedback` and `--fl-topk-density` say. `error_feedback` left out: on for int8/int4
+    and every sparse sync, off otherwise (what --fl-tune picks)."""
 
     sync_dtype: str
     overlap_steps: int
     fragments: int
     sync_interval: int
     error_feedback: Optional[bool] = field(default=None)
+    topk_density: float = 0.0  # the sparse sync's share of each chunk sent (0: dense)
 
     def __post_init__(self) -> None:
         if self.error_feedback is None:
-            object.__setattr__(self, "error_feedback", self.sync_dtype in COMPRESSED)
+            object.__setattr__(self, "error_feedback", self.sync_dtype in COMPRESSED or bool(self.topk_density))
 
     @property
     def sync_every(self) -> int:
@@ -30,7 +32,8 @@ class SyncMode:
         return self.sync_interval // self.fragments
 
     def label(self) -> str:
-        parts = [self.sync_dtype + (" + EF" if self.error_feedback else ""), f"H {self.sync_interval}"]
+        sparse = f" top {self.topk_density:.3g}" if self.topk_density else ""
+        parts = [self.sync_dtype + sparse + (" + EF" if self.error_feedback else ""), f"H {self.sync_interval}"]
         if self.overlap_steps:
             parts.append(f"overlap {self.overlap_steps}")
         if self.fragments > 1:
@@ -41,17 +44,26 @@ class SyncMode:
         """The FederationConfig fields this mode sets."""
         return {"sync_dtype": self.sync_dtype, "error_feedback": self.error_feedback,
                 "overlap_steps": self.overlap_steps, "fragments": self.fragments,
-                "sync_interval": self.sync_interval}
+                "sync_interval": self.sync_interval, "topk_density": self.topk_density}
 
     def flags(self) -> list[str]:
         """The pretrain flags that pin this mode by hand (a run without --fl-tune)."""
         return ["--fl-sync-dtype", self.sync_dtype, *(["--fl-error-feedback"] if self.error_feedback else []),
                 "--fl-overlap-steps", str(self.overlap_steps), "--fl-fragments", str(self.fragments),
-                "--fl-sync-interval", str(self.sync_interval)]
+                "--fl-sync-interval", str(self.sync_interval),
+                *(["--fl-topk-density", f"{self.topk_density:g}"] if self.topk_density else [])]
 
     def caution(self) -> tuple:
         """Sort key: smaller is closer to an exact fp32 average at the given H."""
-        return (self.sync_interval, PRECISIONS.index(self.sync_dtype), self.overlap_steps, self.fragments)
+        return (self.sync_interval, self.precision_rank, self.overlap_steps, self.fragments)
+
+    @property
+    def precision_rank(self) -> float:
+        """How far from exact the values travel: a dense sync's place in PRECISIONS, a sparse one
+        past every dense one (the sparser, the further), then by its values' precision."""
+        if not self.topk_density:
+            return float(PRECISIONS.index(self.sync_dtype))
+        return len(PRECISIONS) + (1 - self.topk_density) + VALUE_CODES.index(self.sync_dtype) / 100
 
     @classmethod
     def from_fields(cls, saved: dict) -> "SyncMode":

@@ -27,6 +27,7 @@ class Workload:
     tokens_per_step: int
     compute_seconds: float
     master_bytes: float = 4  # bytes per shard element on the inter-group wire (--fl-sync-dtype)
+    sync_gathered: bool = False  # the sparse sync: every group's payload all-gathered (--fl-topk-density)
     eval_forwards: int = 0
     gathered_once: bool = False
 
@@ -127,8 +128,8 @@ def predict(variant: Variant, work: Workload, cluster: Cluster, overlap: float =
     step = _timed(step_comm(layout, work.num_params, work.param_bytes, work.grad_bytes, work.micro_batches,
                             work.regathered_params, work.units, work.gathered_once), layout, cluster)
     fragment = -(-work.num_params // variant.fragments)  # the largest fragment
-    sync = _timed(sync_comm(layout, fragment, work.master_bytes, variant.replica_split, variant.graph), layout,
-                  cluster) if variant.sync_interval else ()
+    sync = _timed(sync_comm(layout, fragment, work.master_bytes, variant.replica_split, variant.graph,
+                            work.sync_gathered), layout, cluster) if variant.sync_interval else ()
     comm = sum(t.seconds for t in step)
     gathers = step_comm(layout, work.num_params, work.param_bytes, micro_batches=max(work.eval_forwards, 1),
                         units=work.units).entries

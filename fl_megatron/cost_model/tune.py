@@ -101,8 +101,9 @@ def estimate(mode: SyncMode, layout: Layout, work: Workload, cluster: Cluster, m
     else the cost model's."""
     variant = Variant(mode.label(), layout, mode.sync_interval, replica_split, mode.overlap_steps, "complete",
                       mode.fragments)
-    prediction = predict(variant, dataclasses.replace(work, master_bytes=wire_bytes_per_element(mode.sync_dtype)),
-                         cluster)
+    wire = dataclasses.replace(work, master_bytes=wire_bytes_per_element(mode.sync_dtype, mode.topk_density),
+                               sync_gathered=bool(mode.topk_density))
+    prediction = predict(variant, wire, cluster)
     fragment_elements = -(-work.num_params // mode.fragments) / layout.shard_size
     sync = (prediction.sync_seconds + measured.seconds_per_sync
             + measured.codec_seconds_per_element.get(mode.sync_dtype, 0.0) * fragment_elements)
@@ -154,7 +155,8 @@ def choose(estimates: Sequence[ModeEstimate], tolerance: float = 0.03,
     ranked = tuple(sorted(fits, key=lambda e: (-e.tokens_per_s, e.mode.caution())))
     fastest = ranked[0].tokens_per_s
     def preference(e: ModeEstimate) -> tuple:
-        return ((wire_bytes_per_element(e.mode.sync_dtype),) if cheapest_to_leave else ()) + e.mode.caution()
+        return ((wire_bytes_per_element(e.mode.sync_dtype, e.mode.topk_density),) if cheapest_to_leave else ()) \
+            + e.mode.caution()
 
     chosen = min((e for e in ranked if e.tokens_per_s >= (1 - tolerance) * fastest), key=preference)
     runner_up = next((e for e in ranked if e is not chosen), None)

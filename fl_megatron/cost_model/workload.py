@@ -61,4 +61,5 @@ def workload_for(run: ResolvedRun, compute_seconds: Optional[float] = None,
                     micro_batches=run.accumulation, tokens_per_step=run.tokens_per_step,
                     compute_seconds=compute_seconds, eval_forwards=t.eval_iters,
                     master_bytes=cfg.federation.sync_bytes_per_element,
+                    sync_gathered=bool(cfg.federation.topk_density),
                     gathered_once=cfg.parallel.backend == "megatron")

@@ -22,6 +22,7 @@ from .failed_collective import call_directly
 from .graphs import Round
 from .ledger import CommLedger
 from .rider import Rider, sum_together
+from .sparse import sparse_mean_
 
 MAX_PACKED_IN_FLIGHT = 2  # packed bucket buffers alive at once (double buffering)
 
@@ -75,11 +76,12 @@ class SyncStats:
     sq_mean_sum: float = 0.0     # sum over sampled elements of average^2
     samples: int = 0
     exchange_seconds: float = 0.0  # an overlapped sync's time in the background thread
+    gathered_bytes: int = 0      # of inter_group_bytes, the payloads all-gathered (the sparse sync's)
 
     def merge(self, other: "SyncStats") -> None:
         """Add another average's counts and sums (several fragments in one sync)."""
         for name in ("inter_group_bytes", "intra_group_bytes", "collectives", "sq_dev_sum", "sq_mean_sum", "samples",
-                     "exchange_seconds"):
+                     "exchange_seconds", "gathered_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -106,7 +108,8 @@ class ShardAverager:
                  replica_index: int = 0, replica_split: bool = True, bucket_bytes: int = 32 << 20,
                  max_samples: int = 1 << 18, ledger: Optional[CommLedger] = None,
                  peer_tier: str = "inter-node", replica_tier: str = "intra-node",
-                 sync_dtype: str = "fp32", error_feedback: bool = False) -> None:
+                 sync_dtype: str = "fp32", error_feedback: bool = False, topk_density: float = 0.0,
+                 error_feedback_decay: float = 1.0) -> None:
         if num_groups < 1 or replicas < 1 or not 0 <= replica_index < replicas:
             raise ValueError(f"num_groups={num_groups}, replicas={replicas}, "
                              f"replica_index={replica_index} are inconsistent")
@@ -121,6 +124,9 @@ class ShardAverager:
         self.ledger = ledger
         self.peer_tier, self.replica_tier = peer_tier, replica_tier
         self.sync_dtype, self.error_feedback = sync_dtype, error_feedback
+        self.topk_density, self.decay = topk_density, error_feedback_decay  # the sparse sync (sparse.py)
+        if topk_density and not error_feedback:
+            raise ValueError("a sparse average needs error feedback: what it leaves out is carried to the next")
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per piece, this rank's region
         self.buffers = BucketBuffers(keep=MAX_PACKED_IN_FLIGHT)  # packed buckets, kept between syncs on CPU
         self._riding, self._senders = False, None  # an average with a rider: its senders, once it landed
@@ -221,12 +227,17 @@ class ShardAverager:
                     for buf, (g, _) in zip(received, mixing.receives)]
             gossip_works = (peers.call(dist.batch_isend_irecv, ops) or []) if ops else []
             nbytes = region.numel() * region.element_size() * len(mixing.sends)
+        elif self.topk_density:  # every group's payload gathered, added up in group order (sparse.py)
+            residual = self.residuals.setdefault(index, torch.zeros_like(region))
+            nbytes = peers.call(sparse_mean_, region, peers.group, self.topk_density, self.sync_dtype, residual,
+                                decay=self.decay, include=include, contributors=contributors) or 0
+            stats.gathered_bytes += nbytes
         elif self.sync_dtype != "fp32":
             residual = None
             if self.error_feedback:
                 residual = self.residuals.setdefault(index, torch.zeros_like(region))
             nbytes = peers.call(compressed_mean_, region, peers.group, self.sync_dtype, include=include,
-                                contributors=contributors, residual=residual) or 0
+                                contributors=contributors, residual=residual, decay=self.decay) or 0
         else:
             if self._riding:  # a rider's average: a SUM (a left-out group sends zeros)
                 if not include:  # its data only: the rider rides on all the same

@@ -68,10 +68,12 @@ class _Codec:
 
 
 def compressed_mean_(region: torch.Tensor, group, dtype: str, *, include: bool = True,
-                     contributors: Optional[int] = None, residual: Optional[torch.Tensor] = None) -> int:
+                     contributors: Optional[int] = None, residual: Optional[torch.Tensor] = None,
+                     decay: float = 1.0) -> int:
     """Replace `region` (1-D fp32, contiguous) by the mean over `group` of every rank's encoded
     region; ranks with `include=False` send zeros and `contributors` (default: the group size)
-    divides. Returns this rank's encoded payload in bytes (what an all-reduce of the encoding
+    divides; `residual` (error feedback) is multiplied by `decay` before it is added. Returns this
+    rank's encoded payload in bytes (what an all-reduce of the encoding
     would carry; the wire moves it twice, like the ring all-reduce the cost model counts)."""
     codec = _Codec(dtype)
     size = dist.get_world_size(group)
@@ -82,7 +84,7 @@ def compressed_mean_(region: torch.Tensor, group, dtype: str, *, include: bool =
     if include:
         padded[:n] = region
         if residual is not None:
-            padded[:n] += residual
+            padded[:n].add_(residual, alpha=decay)
     sent = codec.encode(padded)
     if residual is not None and include:
         residual.copy_(padded[:n] - codec.decode(sent)[:n])

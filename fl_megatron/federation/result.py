@@ -105,7 +105,8 @@ class ResultBuilder:
         consensus record, collective over the job; without them `totals` (the agreed metric sums)
         give the variance, or (None) the next sync's vote will. `carried`: the previous sync's."""
         groups = self.groups.layout.num_groups
-        wire = wire_volume(choice.graph, groups, stats.inter_group_bytes)
+        wire = wire_volume(choice.graph, groups, stats.inter_group_bytes - stats.gathered_bytes) + \
+            ring_volume("all_gather", stats.gathered_bytes * groups, groups)
         if consensus is None:
             variance, rms = variance_and_rms(totals) if totals is not None else (None, None)
         else:

@@ -38,15 +38,18 @@ class AveragerSettings:
     atoms: Optional[object] = None
 
     def make(self, sync_dtype: str = "fp32", error_feedback: bool = False,
-             fragment: Optional[tuple] = None) -> ShardAverager:
+             fragment: Optional[tuple] = None, topk_density: float = 0.0, decay: float = 1.0) -> ShardAverager:
         """An averager (of fragment `fragment` = (index, count); a ShardAverager takes the fragment's
-        views as they come)."""
+        views as they come). `topk_density`: the sparse sync's (not for groups of unequal size)."""
         if self.atoms is not None:
+            if topk_density:
+                raise ValueError("the sparse sync does not average atom by atom (groups of unequal size)")
             return self.atoms.make(sync_dtype, error_feedback, fragment)
         return ShardAverager(self.peer, self.num_groups, replica_group=self.replica, replicas=self.replicas,
                              replica_index=self.replica_index, replica_split=self.replica_split,
                              bucket_bytes=self.bucket_bytes, ledger=self.ledger, peer_tier=self.peer_tier,
-                             replica_tier=self.replica_tier, sync_dtype=sync_dtype, error_feedback=error_feedback)
+                             replica_tier=self.replica_tier, sync_dtype=sync_dtype, error_feedback=error_feedback,
+                             topk_density=topk_density, error_feedback_decay=decay)
 
 
 class SyncState:
@@ -59,7 +62,8 @@ class SyncState:
         """`local_shards`: the backend's shards, asked for only where outer optimizers anchor on them."""
         self.settings, self.averaging, self.active = settings, averaging, active
         self.fragments = settings.fragments if active else 1
-        self.averagers = averagers or [averaging.make(settings.sync_dtype, settings.error_feedback, (f, self.fragments))
+        self.averagers = averagers or [averaging.make(settings.sync_dtype, settings.error_feedback, (f, self.fragments),
+                                                      settings.topk_density, settings.resolved_error_feedback_decay)
                                        for f in range(self.fragments)]
         self.state_averager = averaging.make()  # --fl-inner-state average: the moments, exactly (fp32)
         self._fragment_state_averagers: dict = {}  # groups of unequal size: one per fragment's window
@@ -116,8 +120,7 @@ class SyncState:
             raise ValueError(f"no switch to {settings.mode.label()} between syncs: it keeps anchors and this mode "
                              "has none to carry over (or the fragments are cut by atoms); switch after a full sync")
         old = self.settings
-        keep = (old.sync_dtype, old.error_feedback, old.fragments) == \
-            (settings.sync_dtype, settings.error_feedback, settings.fragments)
+        keep = _wire_format(old) == _wire_format(settings)
         new = SyncState(settings, self.averaging, lambda: shards, self.active, self.averagers if keep else None)
         if self.outers and new.outers:
             if between_syncs:
@@ -167,3 +170,9 @@ class SyncState:
         it received is its source's own compression error, which the source still carries)."""
         for averager in self.averagers:
             averager.residuals = {}
+
+
+def _wire_format(settings: FederationConfig) -> tuple:
+    """What error-feedback residuals are kept for: the codec and the cut they were made under."""
+    return (settings.sync_dtype, settings.error_feedback, settings.topk_density, settings.resolved_error_feedback_decay,
+            settings.fragments)

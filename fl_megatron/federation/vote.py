@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..config.sync_mode import PRECISIONS, SyncMode
+from ..config.sync_mode import VALUE_CODES, SyncMode
 from .failed_collective import call_directly
 
 
@@ -66,7 +66,7 @@ class Vote:
     carried_sums: Optional[list] = None  # the previous sync's metric sums over the job (None: none carried)
 
 
-MODE_SLOTS = 5  # a SyncMode as numbers: precision, error feedback, overlap, fragments, interval
+MODE_SLOTS = 6  # a SyncMode as numbers: precision, error feedback, overlap, fragments, interval, density
 METRIC_SLOTS = 3  # a sync's metric sums: squared deviations, squares, sample count (result.metric_sums)
 # each group's numbers in the vote: sick, loss, norm, healing, tokens, step time, mode, carried metric sums
 GROUP_SLOTS = 6 + MODE_SLOTS + METRIC_SLOTS
@@ -75,15 +75,15 @@ GROUP_SLOTS = 6 + MODE_SLOTS + METRIC_SLOTS
 def _mode_slots(mode: Optional[SyncMode]) -> list[float]:
     if mode is None:
         return [-math.inf] * MODE_SLOTS
-    return [float(PRECISIONS.index(mode.sync_dtype)), float(mode.error_feedback), float(mode.overlap_steps),
-            float(mode.fragments), float(mode.sync_interval)]
+    return [float(VALUE_CODES.index(mode.sync_dtype)), float(mode.error_feedback), float(mode.overlap_steps),
+            float(mode.fragments), float(mode.sync_interval), float(mode.topk_density)]
 
 
 def _slots_mode(values: list[float]) -> Optional[SyncMode]:
     if values[0] == -math.inf:
         return None
-    dtype, feedback, overlap, fragments, interval = (int(v) for v in values)
-    return SyncMode(PRECISIONS[dtype], overlap, fragments, interval, bool(feedback))
+    dtype, feedback, overlap, fragments, interval = (int(v) for v in values[:5])
+    return SyncMode(VALUE_CODES[dtype], overlap, fragments, interval, bool(feedback), values[5])
 
 
 def any_nonfinite(shards: list[torch.Tensor]) -> bool:

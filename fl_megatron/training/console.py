@@ -62,7 +62,10 @@ def federation_line(layout: Layout, fed: FederationConfig) -> str:
         outer = f", outer {fed.outer_optimizer} lr {fed.resolved_outer_lr:g}"
         if fed.outer_optimizer != "fedavg":
             outer += f" momentum {fed.outer_momentum:g}"
-        outer += f", {fed.sync_dtype} sync" + (" with error feedback" if fed.error_feedback else "")
+        sparse = f" sparse (top {fed.topk_density:g} of each chunk)" if fed.topk_density else ""
+        decay = fed.resolved_error_feedback_decay
+        outer += f", {fed.sync_dtype}{sparse} sync" + (
+            f" with error feedback{f' (decay {decay:g})' if decay != 1 else ''}" if fed.error_feedback else "")
     if fed.gossip:
         graph = f"ada over {' < '.join(fed.ada_ladder)}" if fed.topology == "ada" else f"{fed.topology} gossip"
         full = f", a full average every {fed.global_average_interval} syncs" if fed.global_average_interval else ""

@@ -117,7 +117,7 @@ def _ada_lines(layout: Layout, num_params: int, fed) -> list[str]:
     lines = ["  ada: per sync on each graph of its ladder (per rank):"]
     for graph in fed.ada_ladder:
         tiers = sync_comm(layout, num_params, master_bytes=fed.sync_bytes_per_element,
-                          replica_split=fed.replica_split, graph=graph).bytes_by_tier
+                          replica_split=fed.replica_split, graph=graph, gathered=bool(fed.topk_density)).bytes_by_tier
         lines.append(f"    {graph:<22} intra-node {format_bytes(tiers['intra-node'])}, "
                      f"inter-node {format_bytes(tiers['inter-node'])}")
     return lines
@@ -204,11 +204,12 @@ def dry_run_report(run: ResolvedRun) -> str:
                          gathered_once=once)
     graph = fed.densest_graph
     fragment = -(-num_params // fed.fragments)  # a sync moves one fragment (the largest shown)
+    sparse = bool(fed.topk_density)
     sync = sync_comm(layout, fragment, master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
-                     graph=graph)
+                     graph=graph, gathered=sparse)
     amortised = average_per_step(layout, num_params, h, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg),
                                  master_bytes=fed.sync_bytes_per_element, replica_split=fed.replica_split,
-                                 micro_batches=accum, gathered_once=once, graph=graph)
+                                 micro_batches=accum, gathered_once=once, graph=graph, gathered=sparse)
     lines = [
         "fl-megatron dry run (no processes started)",
         *("  " + line for line in layout.describe().splitlines()),

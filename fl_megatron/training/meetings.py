@@ -35,7 +35,10 @@ def meeting_lines(run: ResolvedRun, num_params: int) -> list[str]:
     buckets = max(1, math.ceil(elements * 4 / (fed.bucket_mb * (1 << 20))))
     if fed.gossip:
         exchange = f"about {buckets} batches of point-to-point sends to the graph's neighbours (peer group)"
-    elif fed.sync_dtype in ("int8", "int4"):
+    elif fed.topk_density:
+        exchange = (f"about {buckets} all-gather(s) of every group's sparse payload (top {fed.topk_density:g} of "
+                    f"each chunk, {fed.sync_dtype} values) over the peer group")
+    elif fed.sync_dtype != "fp32":
         exchange = f"about {buckets} x (all-to-all + all-gather) of {fed.sync_dtype} buckets over the peer group"
     else:
         exchange = f"about {buckets} all-reduce(s) of {fed.sync_dtype} buckets over the peer group"
