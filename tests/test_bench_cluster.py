@@ -25,7 +25,8 @@ LLAMA_TINY_ROOT = 2 * 4096 * 256 + 256  # embedding, output layer, final norm: g
 def test_rows_follow_the_cluster_shape():
     assert [r.key for r in all_rows(2, 2, 8)] == ["fsdp", "hsdp", "fl-fsdp", "fl-fsdp-lockstep", "fl-fsdp-bf16", "fl-fsdp-int8",
                                                   "fl-fsdp-int8-overlap", "fl-fsdp-int4", "fl-fsdp-int4-overlap",
-                                                  "fl-fsdp-int4-frag2-overlap", "fl-fsdp-int4-frag4-overlap",
+                                                  "fl-fsdp-int4-frag2-overlap", "fl-fsdp-sparse-frag2-overlap",
+                                                  "fl-fsdp-int4-frag4-overlap",
                                                   "fl-fsdp-tune", "torchft-localsgd",
                                                   "torchft-diloco", "zero3", "fl-zero3"]
     assert {r.key: r.fault for r in all_rows(2, 2, 8) if r.fault} == {"fl-fsdp-lockstep": "lockstep"}

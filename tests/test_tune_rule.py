@@ -151,3 +151,28 @@ def test_a_modes_flags_pin_it_by_hand(mode):
 
     cfg, _ = parse_args(mode.flags())
     assert {name: getattr(cfg.federation, name) for name in mode.fields()} == mode.fields()
+
+
+def test_the_sparse_sync_is_weighed_only_where_allowed_and_wins_where_the_links_are_slow():
+    """At 1 Mbit/s the sparse sync (about 141x fewer bytes than fp32) beats int4 by far: allowed,
+    the rule takes it; not allowed, no sparse mode is a candidate. Its all-gather over 2 groups puts
+    one payload on the wire: the prediction's wire bytes against the closed form."""
+    from fl_megatron.costs import SPARSE_CHUNK
+
+    allowed = TuneBounds(lowest_precision="int4", sync_interval=8, topk_density=64 / SPARSE_CHUNK)
+    sparse = [m for m in candidate_modes(allowed) if m.topk_density]
+    assert sparse and all(m.sync_dtype == "int2" and m.error_feedback for m in sparse)
+    assert len(candidate_modes(allowed)) == len(candidate_modes(dataclasses.replace(allowed, topk_density=0.0))) * 5 // 4
+    assert not any(m.topk_density for m in candidate_modes(dataclasses.replace(allowed, topk_density=0.0)))
+    choice = _choice(0.001, allowed)
+    assert choice.chosen.mode.topk_density == 64 / SPARSE_CHUNK, choice.text()
+    dense = _choice(0.001, dataclasses.replace(allowed, topk_density=0.0))
+    assert choice.chosen.tokens_per_s > 2 * dense.chosen.tokens_per_s
+    mode = SyncMode("int2", 0, 1, 8, topk_density=64 / SPARSE_CHUNK)
+    wire = estimate(mode, LAYOUT, WORK, _cluster(1.0), MEASURED)
+    variant = Variant("x", LAYOUT, 8, True, 0, "complete", 1)
+    p = predict(variant, dataclasses.replace(WORK, master_bytes=(4 + 64 * 14 / 8) / SPARSE_CHUNK,
+                                             sync_gathered=True), _cluster(1.0))
+    # 2 groups, shards of PARAMS / 2 per rank: one payload of the shard crosses, from each of 2 nodes x 2 ranks
+    assert p.sync_inter_node_bytes == pytest.approx(4 * PARAMS / 2 * (4 + 64 * 14 / 8) / SPARSE_CHUNK, rel=1e-9)
+    assert wire.network_seconds == pytest.approx(p.sync_seconds, rel=1e-9)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+SPARSE_DENSITIES = ("0.0156", "0.05")
 # name -> (ranks, flags); pairs compare a baseline with its federated form at equal ranks and tokens.
 # Every layout names its group size: examples/demo.json itself sets groups of 2.
 LAYOUTS = {
@@ -35,6 +36,9 @@ LAYOUTS = {
     "FL+FSDP int4+EF 2 fragments overlap": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int4",
                                                 "--fl-error-feedback", "--fl-fragments", "2",
                                                 "--fl-overlap-steps", "1"]),
+    # the sparse sync (docs/sync-modes.md): SparseLoCo's density and about three times it, int2 values
+    **{f"FL+FSDP sparse {d}": (4, ["--fl-group-size", "2", "--fl-sync-dtype", "int2", "--fl-topk-density", d,
+                                   "--fl-error-feedback"]) for d in SPARSE_DENSITIES},
     "FL+FSDP nesterov int8+EF": (4, ["--fl-group-size", "2", "--fl-outer-optimizer", "nesterov",
                                      "--fl-sync-dtype", "int8", "--fl-error-feedback"]),
     # groups of unequal speed (docs/heterogeneous.md): a pinned plan, token weights, the lr on the
@@ -50,11 +54,13 @@ EXPECTED = {"FSDP": (1, 1), "FL+FSDP": (2, 1), "HSDP": (1, 4), "FL+HSDP": (2, 2)
             "FL+FSDP int8+EF overlap": (2, 1), "FL+FSDP int4+EF": (2, 1),
             "FL+FSDP int4+EF 2 fragments overlap": (2, 1), "FL+FSDP nesterov int8+EF": (2, 1),
             "FL+FSDP plan 8,8": (2, 1), "FL+FSDP plan 8,4": (2, 1),
+            **{f"FL+FSDP sparse {d}": (2, 1) for d in SPARSE_DENSITIES},
             **{f"G8 {t}": (8, 1) for t in GOSSIP}}
 PAIRS = {"fsdp": ("FSDP", "FL+FSDP"), "hsdp": ("HSDP", "FL+HSDP"),
          "int8-overlap": ("FL+FSDP", "FL+FSDP int8+EF overlap"), "int4": ("FL+FSDP", "FL+FSDP int4+EF"),
          "int4-frag2-overlap": ("FL+FSDP", "FL+FSDP int4+EF 2 fragments overlap"),
          "nesterov-int8": ("FL+FSDP", "FL+FSDP nesterov int8+EF"),
+         **{f"sparse-{d}": ("FL+FSDP", f"FL+FSDP sparse {d}") for d in SPARSE_DENSITIES},
          "plan-8-4": ("FL+FSDP plan 8,8", "FL+FSDP plan 8,4")}
 
 

@@ -141,6 +141,10 @@ class FederationConfig:
     tune_lowest_precision: str = field(
         default="int8", metadata={"help": "--fl-tune: the lowest sync precision it may pick (fp32, bf16, int8, int4; "
                                           "int8 and int4 always with error feedback)"})
+    tune_topk_density: float = field(
+        default=0.0, metadata={"help": "--fl-tune: also weigh the sparse sync at this density, int2 values with "
+                                       "error feedback (0: never; at 0.0156 it sends about 141x less than fp32, "
+                                       "and its quality at your model size is yours to check: docs/sync-modes.md)"})
     tune_max_sync_interval: Optional[int] = field(
         default=None, metadata={"help": "--fl-tune: the largest H it may pick (default: --fl-sync-interval, "
                                         "unchanged); it tries H, its doublings and this value"})
@@ -408,6 +412,8 @@ class FederationConfig:
                           f"sync_interval={self.sync_interval}")
         if self.tune_max_fragments < 1:
             errors.append(f"tune_max_fragments={self.tune_max_fragments} must be at least 1")
+        if not 0 <= self.tune_topk_density <= 0.5:
+            errors.append(f"tune_topk_density={self.tune_topk_density} must lie in [0, 0.5] (0: no sparse sync)")
         if self.tune_every < 0 or self.tune_threshold <= 0 or not 0 <= self.tune_tolerance < 1:
             errors.append(f"tune_every={self.tune_every} must be >= 0, tune_threshold={self.tune_threshold} positive "
                           f"and tune_tolerance={self.tune_tolerance} in [0, 1)")

@@ -9,6 +9,11 @@ COMPRESSED = ("int8", "int4")
 VALUE_CODES = (*PRECISIONS, "int2")  # every sync_dtype, as a number (int2: the sparse sync's only)
 
 
+def sparse_codec_name(sync_dtype: str, topk_density: float) -> str:
+    """The sparse sync's codec as the probe and the tuner name it: "int2 top 0.0156"."""
+    return f"{sync_dtype} top {topk_density:g}"
+
+
 @dataclass(frozen=True)
 class SyncMode:
     """What `--fl-sync-dtype`, `--fl-overlap-steps`, `--fl-fragments`, `--fl-sync-interval`,
@@ -56,6 +61,11 @@ class SyncMode:
     def caution(self) -> tuple:
         """Sort key: smaller is closer to an exact fp32 average at the given H."""
         return (self.sync_interval, self.precision_rank, self.overlap_steps, self.fragments)
+
+    @property
+    def codec(self) -> str:
+        """The codec's name, as the link probe times it: the sync dtype, or the sparse sync's."""
+        return sparse_codec_name(self.sync_dtype, self.topk_density) if self.topk_density else self.sync_dtype
 
     @property
     def precision_rank(self) -> float:

@@ -27,7 +27,8 @@ from .timing import Variant, Workload, predict
 @dataclass(frozen=True)
 class TuneBounds:
     """What the user allows: the lowest precision, the largest H, overlap (of 1 step) or not,
-    the most fragments, and the memory one rank may use (None: no limit)."""
+    the most fragments, the memory one rank may use (None: no limit), and the sparse sync's
+    density (0: no sparse sync; else int2 values at it)."""
 
     lowest_precision: str = "int8"
     sync_interval: int = 8
@@ -35,6 +36,13 @@ class TuneBounds:
     overlap: bool = True
     max_fragments: int = 4
     memory_limit_bytes: Optional[float] = None
+    topk_density: float = 0.0
+
+    @classmethod
+    def of(cls, fed, memory_limit_bytes: Optional[float]) -> "TuneBounds":
+        """The bounds a run's federation settings (--fl-tune-*) give."""
+        return cls(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval, fed.tune_overlap,
+                   fed.tune_max_fragments, memory_limit_bytes, fed.tune_topk_density)
 
     def __post_init__(self) -> None:
         if self.lowest_precision not in PRECISIONS:
@@ -49,7 +57,8 @@ class TuneBounds:
 def candidate_modes(bounds: TuneBounds) -> list[SyncMode]:
     """Every mode within the bounds: H, then its doublings up to the largest allowed H (and that
     H itself); each precision down to the lowest allowed; N fragments dividing H (powers of two up
-    to the most allowed); overlap 0 or 1 where one step fits between two syncs."""
+    to the most allowed); overlap 0 or 1 where one step fits between two syncs. The sparse sync
+    (int2 values at the allowed density) comes after the dense precisions, as the least exact."""
     top = bounds.max_sync_interval or bounds.sync_interval
     intervals, h = [], bounds.sync_interval
     while h <= top:
@@ -61,11 +70,13 @@ def candidate_modes(bounds: TuneBounds) -> list[SyncMode]:
     out = []
     for h in intervals:
         fragments = [n for n in (1, 2, 4, 8, 16) if n <= bounds.max_fragments and h % n == 0]
-        for dtype in precisions:
+        codecs = [(dtype, 0.0) for dtype in precisions] + ([("int2", bounds.topk_density)] if bounds.topk_density
+                                                             else [])
+        for dtype, density in codecs:
             for n in fragments:
                 for k in ((0, 1) if bounds.overlap else (0,)):
                     if k < h // n:
-                        out.append(SyncMode(dtype, k, n, h))
+                        out.append(SyncMode(dtype, k, n, h, topk_density=density))
     return out
 
 
@@ -106,7 +117,7 @@ def estimate(mode: SyncMode, layout: Layout, work: Workload, cluster: Cluster, m
     prediction = predict(variant, wire, cluster)
     fragment_elements = -(-work.num_params // mode.fragments) / layout.shard_size
     sync = (prediction.sync_seconds + measured.seconds_per_sync
-            + measured.codec_seconds_per_element.get(mode.sync_dtype, 0.0) * fragment_elements)
+            + measured.codec_seconds_per_element.get(mode.codec, 0.0) * fragment_elements)
     step = prediction.step_seconds if step_seconds is None else step_seconds
     exposed = sync
     if mode.overlap_steps:  # the links' part hides behind K steps, slowing them by the measured interference;

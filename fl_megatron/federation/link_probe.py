@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 
 from ..topology import federation_groups, spans_nodes
+from ..config.sync_mode import sparse_codec_name
+from ..costs import SPARSE_CHUNK
 from .compression import dequantize, quantize
 from .groups import ProcessGroups
+from .sparse import SparseCodec
 
 SMALL_REPEATS = 5
 PAYLOAD_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -95,16 +98,25 @@ def probe_group(name: str, group, ranks: int, tier: str, device: torch.device, a
     return timing
 
 
-def codec_seconds(device: torch.device, dtypes: tuple) -> dict:
+def codec_seconds(device: torch.device, dtypes: tuple, sparse: tuple = ()) -> dict:
     """Seconds per element of encoding and decoding twice (a compressed sync encodes its piece
-    and the mean, and decodes both) for each of `dtypes`; fp32 costs nothing."""
+    and the mean, and decodes both) for each of `dtypes`; fp32 costs nothing. `sparse`: (values,
+    density) pairs of the sparse sync, timed as one encoding, its residual's update and two
+    payloads added up (named as SyncMode.codec names them)."""
     x = torch.randn(CODEC_ELEMENTS, device=device)
     out = {}
-    for dtype in dtypes:
+    for dtype in (*dtypes, *sparse):
         if dtype == "fp32":
             continue
         start = time.perf_counter()
-        for _ in range(2):
+        if isinstance(dtype, tuple):
+            codec, dtype = SparseCodec(dtype[1], dtype[0]), sparse_codec_name(*dtype)
+            payload, indices, decoded = codec.encode(x)
+            x.view(-1, SPARSE_CHUNK).scatter_add_(1, indices, -decoded)
+            total = torch.zeros_like(x)
+            for _ in range(2):
+                codec.add_decoded_(payload, total)
+        for _ in range(2 if dtype in ("bf16", "int8", "int4") else 0):
             if dtype == "bf16":
                 x.to(torch.bfloat16).float()
             else:
@@ -175,9 +187,10 @@ def overlap_interference(exchange_group, group, device: torch.device, bytes_per_
 
 
 def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple = (),
-                overlap_group=None, across_groups: bool = True) -> LinkProbe:
+                overlap_group=None, across_groups: bool = True, sparse_codecs: tuple = ()) -> LinkProbe:
     """Probe the peer group and the federation group (every rank calls this at the same point);
-    with `overlap_group` (the exchange's own peer communicator) also the overlap's interference.
+    with `overlap_group` (the exchange's own peer communicator) also the overlap's interference;
+    `codec_dtypes` and `sparse_codecs` ((values, density) pairs): the codecs' speed.
     `across_groups` False (elastic mode: the groups meet only at syncs): the federation group and
     the codec alone, agreed inside the group; the links between groups are left to the syncs."""
     layout = groups.layout
@@ -198,7 +211,7 @@ def probe_links(groups: ProcessGroups, device: torch.device, codec_dtypes: tuple
         if across_groups else []
     timings.append(probe_group("federation", groups.federation, layout.group_size,
                                "inter-node" if spans_nodes(layout, fed_ranks) else "intra-node", device, agree))
-    codec = {dtype: agree(s) for dtype, s in codec_seconds(device, codec_dtypes).items()}
+    codec = {dtype: agree(s) for dtype, s in codec_seconds(device, codec_dtypes, sparse_codecs).items()}
     interference = 0.0
     if overlap_group is not None and across_groups and layout.num_groups > 1:
         peer = timings[0]

@@ -177,8 +177,7 @@ def _tune_lines(run: ResolvedRun, counts: tuple, largest: int) -> list[str]:
     """What --fl-tune would choose at these link figures and the compute time from FLOPs (a run
     probes its links and measures its steps, its codec and its votes instead)."""
     cfg, fed = run.cfg, run.cfg.federation
-    bounds = TuneBounds(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval, fed.tune_overlap,
-                        fed.tune_max_fragments, cfg.cluster.device_memory_gib * 2**30)
+    bounds = TuneBounds.of(fed, cfg.cluster.device_memory_gib * 2**30)
     choice = tune(bounds, run.layout, workload_for(run, counts=counts), Cluster.from_config(cfg.cluster), Measured(),
                   fed.replica_split, lambda mode: mode_memory(run, counts, largest, mode), fed.tune_tolerance)
     return [f"  fl-tune at these link figures (a run probes its links and measures its steps): {choice.text()}", ""]

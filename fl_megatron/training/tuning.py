@@ -62,8 +62,7 @@ class SyncTuner:
         self.run, self.groups, self.say, self.device = run, groups, say, device  # device: the rank's own
         self.by_vote = by_vote  # elastic mode: agreed inside the group, then in the sync's vote
         fed = run.cfg.federation
-        self.bounds = TuneBounds(fed.tune_lowest_precision, fed.sync_interval, fed.tune_max_sync_interval,
-                                 fed.tune_overlap, fed.tune_max_fragments, run.cfg.cluster.device_memory_gib * 2**30)
+        self.bounds = TuneBounds.of(fed, run.cfg.cluster.device_memory_gib * 2**30)
         self.cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
         small = sum(t.small_seconds for t in probe.timings)
         # the vote: group, then peers

@@ -136,7 +136,8 @@ def start_tuning(run: ResolvedRun, probe_scope: Optional[str], groups, files: Ru
     # what an overlap costs: at the probe only where no step can be timed beside a trial exchange
     # (its loop, about a second and a half on CPU ranks, would cost more start-up than it saves)
     overlap = groups.exchange_peer if fed.tune and fed.tune_overlap and trial_step(fed) is None else None
-    probe = probe_links(groups, device, codecs, overlap, across_groups=across)
+    sparse = (("int2", fed.tune_topk_density),) if fed.tune and fed.tune_topk_density else ()
+    probe = probe_links(groups, device, codecs, overlap, across_groups=across, sparse_codecs=sparse)
     cluster = cluster_from_probe(run.layout, probe, Cluster.from_config(run.cfg.cluster))
     say(probe_line(probe, cluster))
     extras = {"link_probe": {**probe.to_dict(), "dry_run_flags": dry_run_flags(cluster)}}

@@ -35,6 +35,9 @@ class Row:
         return self.layout_flags() + list(self.extra)
 
 
+SPARSE = ("--fl-sync-dtype", "int2", "--fl-topk-density", "0.0156", "--fl-error-feedback")
+
+
 def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     """Every row that the cluster shape allows, baselines first."""
     world, rpn, h = nodes * ranks_per_node, ranks_per_node, sync_interval
@@ -56,6 +59,9 @@ def all_rows(nodes: int, ranks_per_node: int, sync_interval: int) -> list[Row]:
     if h % 2 == 0 and h >= 4:  # Streaming DiLoCo's schedule: half the shards every H/2 steps
         rows.append(Row("fl-fsdp-int4-frag2-overlap", "FL+FSDP, int4 + EF, 2 fragments, overlap 1", rpn, None, h,
                         extra=(*int4, "--fl-fragments", "2", "--fl-overlap-steps", "1")))
+        # the sparse sync (SparseLoCo's 64 of every 4,096 at 2 bits), on the same schedule
+        rows.append(Row("fl-fsdp-sparse-frag2-overlap", "FL+FSDP, int2 top 0.0156 + EF, 2 fragments, overlap 1",
+                        rpn, None, h, extra=(*SPARSE, "--fl-fragments", "2", "--fl-overlap-steps", "1")))
     if h % 4 == 0 and h >= 8:  # the most fragments --fl-tune allows by default (--fl-tune-max-fragments 4)
         rows.append(Row("fl-fsdp-int4-frag4-overlap", "FL+FSDP, int4 + EF, 4 fragments, overlap 1", rpn, None, h,
                         extra=(*int4, "--fl-fragments", "4", "--fl-overlap-steps", "1")))
