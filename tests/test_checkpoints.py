@@ -86,18 +86,24 @@ def test_deepspeed_resume_is_exact_and_survives_a_kill_while_saving(tmp_path):
     _exact_resume(tmp_path, "deepspeed")
 
 
-# one fragment in `make test-heavy`: two fragments save and resume the same state, and between syncs
-@pytest.mark.parametrize("fragments", [pytest.param(1, marks=pytest.mark.heavy), 2])
-def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path, fragments):
-    """The anchors, Nesterov momentum and int8 error-feedback residuals are saved per rank; with
+SPARSE = ("--fl-sync-dtype", "int2", "--fl-topk-density", "0.0156")
+INT8 = ("--fl-sync-dtype", "int8")
+
+
+# int8 in `make test-heavy`: the sparse sync saves and resumes its residuals (decayed at every
+# sync) through the same per-rank files, in two fragments, between syncs
+@pytest.mark.parametrize("codec,fragments", [pytest.param(INT8, 1, marks=pytest.mark.heavy),
+                                             pytest.param(INT8, 2, marks=pytest.mark.heavy), (SPARSE, 2)])
+def test_outer_optimizer_and_error_feedback_state_resume_exactly(tmp_path, codec, fragments):
+    """The anchors, Nesterov momentum and error-feedback residuals are saved per rank; with
     2 fragments the step-3 checkpoint falls between the syncs of fragment 0 (2) and 1 (4)."""
-    _exact_resume(tmp_path, "fsdp2", "--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8",
+    _exact_resume(tmp_path, "fsdp2", "--fl-outer-optimizer", "nesterov", *codec,
                   "--fl-error-feedback", "--fl-fragments", str(fragments))
     files = list((tmp_path / "ckpt" / "iter_0000006" / "outer").glob("rank_*.safetensors"))
     assert len(files) == 4
     # the dry run's checkpoint size counts them: anchor + momentum + residual, per rank, 2 groups
-    fed = FederationConfig(sync_interval=4, outer_optimizer="nesterov", sync_dtype="int8", error_feedback=True,
-                           fragments=fragments)
+    fed = FederationConfig(sync_interval=4, outer_optimizer="nesterov", sync_dtype=codec[1], error_feedback=True,
+                           fragments=fragments, topk_density=0.0156 if codec == SPARSE else 0.0)
     reader = CheckpointReader(tmp_path / "ckpt")
     num_params = sum(reader.tensor(n, reader.groups[0]).numel() for n in reader.names)
     with_outer = checkpoint_bytes(num_params, 2, "adamw", outer_copies=saved_outer_copies(fed, 2, 1))["exact"]
