@@ -13,7 +13,7 @@ export FL_MEGATRON_DEVICE ?= cpu
 DEMO_RANKS ?= 4
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy test-torch-floor check-targets gpu-bundle lint bench bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
+.PHONY: demo demo-hf demo-deepspeed demo-elastic test test-heavy test-torch-floor check-targets gpu-bundle lint bench bench-codec bench-data bench-checkpoint bench-cluster bench-quality cost-model dry-run clean
 
 # torch first, and pinned: a bare requirement would pull a multi-GB CUDA build on CPU machines.
 $(BIN)/python:
@@ -135,6 +135,9 @@ test-heavy: $(VENV)/.test-extras
 
 bench: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_sync.py $(ARGS)
+
+bench-codec: $(VENV)/.package
+	$(BIN)/python tools/bench_codec.py $(ARGS)
 
 bench-checkpoint: $(VENV)/.package
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_checkpoint.py $(ARGS)

@@ -4,7 +4,7 @@
 Sized for the machine this project is lent: one H200, its own PyTorch (2.11), no network, a few
 minutes. On one GPU: each backend's bf16 step (tokens/s, MFU against the card's measured rate),
 the dry run's memory estimate against the measured peak (Llama 3.1 8B's layers cut to fit), the
-int8/int4 codecs in GB/s, save / exact resume / Hugging Face export on CUDA, which collectives gloo
+int8/int4 and sparse codecs in GB/s, save / exact resume / Hugging Face export on CUDA, which collectives gloo
 runs on CUDA, and two processes of the GPU on gloo: the overlapped sync (its CUDA streams and
 events) and the tuner's measured interference. With more GPUs: every sync mode on NCCL, FL+HSDP
 with overlap, a dead rank, elastic groups' jobs. Checks a machine cannot run are skipped, naming

@@ -105,10 +105,12 @@ def memory_estimate(ctx) -> Outcome:
 
 def codecs(ctx) -> Outcome:
     """int8 and int4 encode and decode of 64 Mi fp32 elements on the GPU (GB/s of fp32 in), the
-    codes equal to the CPU's for the same values, the error within half a step of each block."""
+    codes equal to the CPU's for the same values, the error within half a step of each block; the
+    sparse sync's codec likewise, with the link speed its time equals the payload's wire time at."""
     out = common.script("codec_speed.py", timeout=ctx.left())
     bad = [f"{k}: {v['problem']}" for k, v in out.items() if v.get("problem")]
     text = ", ".join(f"{k} encode {v['encode_gbps']:.0f} GB/s, decode {v['decode_gbps']:.0f} GB/s"
+                     + (f" (= its wire time at {v['breakeven_gbit_s']:.3g} Gbit/s)" if "breakeven_gbit_s" in v else "")
                      for k, v in out.items())
     return Outcome("; ".join(bad), out, text)
 
