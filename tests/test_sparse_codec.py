@@ -74,36 +74,40 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_on_track(world):
     assert (sent > 0).float().mean() > 0.95  # nearly every element was sent at some point
 
 
-def _mean_job(rank, world, dtype):
+def _mean_job(rank, world):
+    """int2 with every rank sending; int8 with rank 2 left out and 2 contributing."""
     import torch.distributed as dist
 
-    x, residual = _region(10 + rank), _region(20 + rank) * 1e-2
-    before = residual.clone()
-    left_out = dtype == "int8" and rank == 2  # with int8, rank 2 is left out and 2 contribute
-    mine = x.clone()
-    nbytes = sparse_mean_(mine, dist.group.WORLD, 64 / SPARSE_CHUNK, dtype, residual, decay=0.95,
-                          include=not left_out, contributors=2 if dtype == "int8" else None)
-    # numpy arrays travel by value through the job's queue (tensors would by shared memory)
-    return {"mean": mine.numpy(), "residual": residual.numpy(), "before": before.numpy(), "x": x.numpy(),
-            "bytes": nbytes}
+    out = {}
+    for dtype in ("int2", "int8"):
+        x, residual = _region(10 + rank), _region(20 + rank) * 1e-2
+        before = residual.clone()
+        left_out = dtype == "int8" and rank == 2
+        mine = x.clone()
+        nbytes = sparse_mean_(mine, dist.group.WORLD, 64 / SPARSE_CHUNK, dtype, residual, decay=0.95,
+                              include=not left_out, contributors=2 if dtype == "int8" else None)
+        # numpy arrays travel by value through the job's queue (tensors would by shared memory)
+        out[dtype] = {"mean": mine.numpy(), "residual": residual.numpy(), "before": before.numpy(), "x": x.numpy(),
+                      "bytes": nbytes}
+    return out
 
 
-@pytest.mark.parametrize("dtype", ["int2", "int8"])
-def test_the_mean_is_the_same_on_every_rank_and_equals_the_encodings_averaged_apart(dtype):
-    out = [{k: torch.from_numpy(v) if k != "bytes" else v for k, v in o.items()}
-           for o in run_ranks(3, _mean_job, dtype, timeout=120)]
-    codec = SparseCodec(64 / SPARSE_CHUNK, dtype)
-    senders = [0, 1] if dtype == "int8" else [0, 1, 2]
-    expected = torch.zeros_like(out[0]["x"])
-    for r in senders:  # what each sender encodes: its decayed residual plus its region
-        carried = 0.95 * out[r]["before"] + out[r]["x"]
-        _, indices, decoded = codec.encode(carried)
-        sent = torch.zeros_like(carried).view(-1, SPARSE_CHUNK).scatter_(1, indices, decoded).view(-1)
-        expected += sent
-        assert torch.allclose(out[r]["residual"] + sent, carried, atol=1e-6)  # nothing lost, nothing counted twice
-    expected /= len(senders)
-    assert all(torch.equal(o["mean"], out[0]["mean"]) for o in out)
-    assert torch.allclose(out[0]["mean"], expected, rtol=1e-6, atol=1e-9)
-    if dtype == "int8":
-        assert torch.equal(out[2]["residual"], torch.zeros_like(out[2]["residual"]))  # a left-out rank keeps none
-    assert all(o["bytes"] == sparse_payload_bytes(out[0]["x"].numel(), 64 / SPARSE_CHUNK, dtype) for o in out)
+def test_the_mean_is_the_same_on_every_rank_and_equals_the_encodings_averaged_apart():
+    jobs = run_ranks(3, _mean_job, timeout=120)
+    for dtype, senders in (("int2", [0, 1, 2]), ("int8", [0, 1])):
+        out = [{k: torch.from_numpy(v) if k != "bytes" else v for k, v in job[dtype].items()} for job in jobs]
+        codec = SparseCodec(64 / SPARSE_CHUNK, dtype)
+        expected = torch.zeros_like(out[0]["x"])
+        for r in senders:  # what each sender encodes: its decayed residual plus its region
+            carried = 0.95 * out[r]["before"] + out[r]["x"]
+            _, indices, decoded = codec.encode(carried)
+            sent = torch.zeros_like(carried).view(-1, SPARSE_CHUNK).scatter_(1, indices, decoded).view(-1)
+            expected += sent
+            assert torch.allclose(out[r]["residual"] + sent, carried, atol=1e-6)  # nothing lost, nothing twice
+        expected /= len(senders)
+        assert all(torch.equal(o["mean"], out[0]["mean"]) for o in out)
+        assert torch.allclose(out[0]["mean"], expected, rtol=1e-6, atol=1e-9)
+        if dtype == "int8":  # a left-out rank keeps no residual
+            assert torch.equal(out[2]["residual"], torch.zeros_like(out[2]["residual"]))
+        payload = sparse_payload_bytes(out[0]["x"].numel(), 64 / SPARSE_CHUNK, dtype)
+        assert all(o["bytes"] == payload for o in out)
