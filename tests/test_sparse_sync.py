@@ -2,6 +2,8 @@
 of the pseudo-gradient plus its residual, what it leaves out stays in the residual (decayed at the
 next sync), the ledger counts its payload, and the settings refuse what it cannot do."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -124,9 +126,11 @@ def test_the_sparse_sync_on_every_backend_with_fragments_overlap_and_a_sick_grou
     from fl_megatron.local_ranks import run_ranks
 
     results = run_ranks(4, _backends_job, str(tmp_path), str(tmp_path / "cache"), timeout=800)
+    installed = all(importlib.util.find_spec(m) is not None for m in ("deepspeed", "megatron"))
     for r in results:
+        assert {"fsdp2", "fsdp2-hsdp"} <= set(r) and (not installed or {"deepspeed", "megatron"} <= set(r))
         for name in ("fsdp2", "deepspeed", "megatron", "fsdp2-hsdp"):
-            if name not in r:
+            if name not in r:  # DeepSpeed and megatron-core missing: make test's environment has them
                 continue
             got = r[name]
             # 2 fragments at H 4: a launch every 2 steps; the sick group at 2 makes it blocking (both
