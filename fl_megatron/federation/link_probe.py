@@ -28,7 +28,9 @@ from .sparse import SparseCodec
 
 SMALL_REPEATS = 5
 PAYLOAD_BYTES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
-LONG_ENOUGH_S = 0.05  # a payload that takes this long measures bandwidth well enough
+# a payload that takes this long measures bandwidth well enough: 25 ms against the 0.1-2 ms of a
+# tiny all-reduce (each payload size is timed twice, at start-up)
+LONG_ENOUGH_S = 0.025
 CODEC_ELEMENTS = 1 << 20
 IN_GROUP_ELEMENTS = 1 << 16  # the interference loop's own all-reduce inside the group (256 KiB)
 
