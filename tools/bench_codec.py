@@ -88,7 +88,7 @@ def measure(device: torch.device, elements: int, groups: int, repeats: int) -> l
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--elements", type=int, default=(32 << 20) // 4, help="one bucket (32 MiB of fp32)")
     parser.add_argument("--groups", type=int, default=2, help="federation groups (payloads added up)")

@@ -61,10 +61,16 @@ MUTATIONS = (
               "tests/test_fragments.py::test_fragments_sync_in_turn_exactly_and_reset_a_sick_group_whole")),
     Mutation("residuals-never-kept", "error feedback keeps no residual: nothing of an encoding's loss is sent again",
              "fl_megatron/federation/averaging.py",
-             "residual = self.residuals.setdefault(index, torch.zeros_like(region))", "residual = None",
+             "            if self.error_feedback:\n                residual = self.residuals.setdefault(index, "
+             "torch.zeros_like(region))", "            if self.error_feedback:\n                residual = None",
              ("tests/test_transaction.py", "tests/test_outer_sync.py::test_every_sync_option_on_every_backend")),
+    Mutation("sparse-residual-not-decayed", "the sparse sync adds its residual undecayed (--fl-error-feedback-decay "
+             "ignored)", "fl_megatron/federation/sparse.py", "residual.mul_(decay).add_(region)",
+             "residual.add_(region)",
+             ("tests/test_sparse_sync.py::test_a_sparse_sync_moves_the_decoded_top_k_and_keeps_the_rest_decayed",)),
     Mutation("residuals-never-added", "the residual is kept but never added to the next encoding",
-             "fl_megatron/federation/compression.py", "            padded[:n] += residual\n", "            pass\n",
+             "fl_megatron/federation/compression.py", "            padded[:n].add_(residual, alpha=decay)\n",
+             "            pass\n",
              ("tests/test_outer_sync.py::test_error_feedback_keeps_the_sum_of_what_was_sent_on_track",)),
     Mutation("inner-state-average-skipped", "--fl-inner-state average leaves every group's moments as they were",
              "fl_megatron/federation/inner_state.py",
