@@ -98,7 +98,7 @@ def test_the_first_choice_times_a_step_beside_a_trial_exchange_at_half_the_first
     assert "fl-tune before step 1" in run.stdout and start["estimated_step_seconds"] == 10.0, start
     assert start["label"] == first["label"] or first["switched"], (start, first)
     assert start["mode"] == {"sync_dtype": "fp32", "overlap_steps": 0, "fragments": 1, "sync_interval": 8,
-                             "error_feedback": False}, start
+                             "error_feedback": False, "topk_density": 0.0}, start
     # group 0's records (rank 0's ledger) of every step before the sync
     group = [json.loads(line) for line in (tmp_path / "run" / "groups" / "group_00000.jsonl").read_text().splitlines()]
     with_bytes = {r["step"]: r["inter_group_bytes"] for r in group}
