@@ -19,3 +19,12 @@ def torch_version_problem(version: str) -> str | None:
         return (f"fl-megatron needs torch >= {floor} (the oldest its tests run on), found {version}: "
                 f"pip install 'torch>={floor}' (a CUDA build on GPU nodes, the CPU wheel elsewhere; see the README)")
     return None
+
+
+def all_gather_flat(output, input, group=None, async_op=False):
+    """torch.distributed's all-gather into one tensor under this torch's name for it: 2.13 calls it
+    all_gather_single and warns on every call of the older all_gather_into_tensor (which 2.11 has alone)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

@@ -88,3 +88,11 @@ def sync_outcome(trainer, results: list) -> dict:
             "finite": all(bool(torch.isfinite(s).all()) for s in trainer.backend.local_shards()),
             "residuals": sum(float(v.abs().sum()) for k, v in trainer.engine.state_tensors().items()
                              if "residual." in k)}
+
+
+def sparse_sent(codec, carried: torch.Tensor) -> torch.Tensor:
+    """What a SparseCodec sends of `carried` (one region, padded to whole chunks), decoded."""
+    from fl_megatron.costs import SPARSE_CHUNK
+    padded = torch.nn.functional.pad(carried, (0, -carried.numel() % SPARSE_CHUNK))
+    _, indices, decoded = codec.encode(padded)
+    return torch.zeros_like(padded).view(-1, SPARSE_CHUNK).scatter_(1, indices, decoded).view(-1)[:carried.numel()]

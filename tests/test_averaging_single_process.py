@@ -187,7 +187,7 @@ def test_sync_due_rejects_step_below_one(step):
 
 
 def test_gather_slices_on_nccl_gathers_in_place_into_the_owners_slices(monkeypatch):
-    """The non-gloo branch of gather_slices (NCCL's in-place all_gather_into_tensor), in one
+    """The non-gloo branch of gather_slices (NCCL's in-place all-gather into one tensor), in one
     process against a fake group of 2: this rank owns slice 1, passes it as the input aliasing
     its place in the output, and ends with every owner's slice in order."""
     from fl_megatron.federation import averaging
@@ -197,7 +197,7 @@ def test_gather_slices_on_nccl_gathers_in_place_into_the_owners_slices(monkeypat
     peer_slice = torch.arange(0.0, 6.0)   # slice 0: averaged by the other replica
     seen = []
 
-    def all_gather_into_tensor(output, inp, group=None):
+    def all_gather_flat(output, inp, group=None):
         seen.append((output.data_ptr() == buffer.data_ptr(), inp.data_ptr() == buffer[6:].data_ptr(),
                      group))
         output.copy_(torch.cat([peer_slice, inp.clone()]))
@@ -205,7 +205,7 @@ def test_gather_slices_on_nccl_gathers_in_place_into_the_owners_slices(monkeypat
     group = object()
     monkeypatch.setattr(averaging.dist, "get_backend", lambda g: "nccl")
     monkeypatch.setattr(averaging.dist, "get_world_size", lambda g: 2)
-    monkeypatch.setattr(averaging.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(averaging, "all_gather_flat", all_gather_flat)
     averaging.gather_slices(buffer, 1, group)
     assert seen == [(True, True, group)]
     assert torch.equal(buffer, torch.arange(12.0))

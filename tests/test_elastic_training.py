@@ -20,7 +20,7 @@ groups meeting only at syncs (tools/elastic_launch.py).
 - Every slow-link feature at once (nesterov, int8 + error feedback, 2 fragments, an overlapped sync,
   averaged inner moments): a peer lost in the exchange of a launch; the survivors vote the landing
   down, never restart, and all groups end identical; on fsdp2 with --async-save (DeepSpeed and
-  megatron in `make test-heavy`).
+  megatron in `make test-heavy`). The same with the sparse sync (int2 top-k with error feedback).
 - Groups of 2 and 1 ranks: with 2 fragments and an overlapped sync (DeepSpeed in `make
   test-heavy`), and with their own step counts (`make test-heavy`), a rank of the 2-rank group
   killed; it heals across sizes.
@@ -232,9 +232,16 @@ BEST_MODE = ("--fl-outer-optimizer", "nesterov", "--fl-sync-dtype", "int8", "--f
              "--fl-fragments", "2", "--fl-overlap-steps", "1", "--fl-inner-state", "average")
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("deepspeed", marks=HEAVY),
-                                     pytest.param("megatron", marks=HEAVY)])
-def test_a_peer_lost_in_an_overlapped_fragment_sync_spares_the_others_and_all_end_identical(tmp_path, backend):
+# the sparse sync (docs/sync-modes.md) in the same place: int2 values of the top 64 of each 4,096,
+# error feedback in place of outer momentum (SparseLoCo's choice)
+SPARSE_MODE = ("--fl-sync-dtype", "int2", "--fl-topk-density", "0.0156", "--fl-error-feedback",
+               "--fl-fragments", "2", "--fl-overlap-steps", "1", "--fl-inner-state", "average")
+
+
+@pytest.mark.parametrize("backend,mode", [("fsdp2", BEST_MODE), pytest.param("fsdp2", SPARSE_MODE, id="fsdp2-sparse"),
+                                          pytest.param("deepspeed", BEST_MODE, marks=HEAVY),
+                                          pytest.param("megatron", BEST_MODE, marks=HEAVY)])
+def test_a_peer_lost_in_an_overlapped_fragment_sync_spares_the_others_and_all_end_identical(tmp_path, backend, mode):
     steps, run = 16, tmp_path / "run"
     # H = 4 in 2 fragments: a fragment launches every 2 steps and lands 1 step later. Rank 1 of
     # group 1 dies in the exchange of the launch after step 8: the survivors' exchange thread loses
@@ -248,12 +255,15 @@ def test_a_peer_lost_in_an_overlapped_fragment_sync_spares_the_others_and_all_en
     # after the others' quorum had formed without it (the lighthouse's join timeout, counted from
     # the restarted group's early request) and they had finished; it then waited for a quorum alone
     _elastic(run, steps, min_groups=2, fault="kill:exchange:8:3," + PAUSE, max_restarts=1,
-             extra=BEST_MODE + ("--backend", backend, "--fl-peer-timeout-seconds", "20") + saving)
+             extra=mode + ("--backend", backend, "--fl-peer-timeout-seconds", "20") + saving)
     if saving:
         assert "(checkpoint of step 4 read)" in (run / "launch" / "group_1.log").read_text()
         for g in range(3):
             assert (tmp_path / "ckpt" / f"group_{g:05d}" / "latest_checkpointed_iteration.txt").read_text().strip() \
                 == str(steps)
+    if mode == SPARSE_MODE:  # the groups ran the sparse sync
+        assert "int2 sparse (top 0.0156 of each chunk) sync with error feedback (decay 0.95)" in \
+            (run / "launch" / "group_0.log").read_text()
     syncs = [_syncs(run, g) for g in range(3)]  # an overlapped sync is recorded at its landing
     summaries = [json.loads((_group_dir(run, g) / "summary.json").read_text()) for g in range(3)]
     # the sync launched at 8 lands at 9, or at once for the checkpoint of step 8 (fsdp2)

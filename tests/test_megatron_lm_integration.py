@@ -1,8 +1,9 @@
 """The Megatron-LM integration (fl_megatron.integrations.megatron_lm) against megatron-core's real
 DDP and DistributedOptimizer, set up as Megatron-LM does it (parallel_state with N distributed-
 optimizer instances), on 4 CPU ranks: the outer sync, the gated gradient reduction (FL+FSDP
-and FL+HSDP, with and without overlap, averaging in the collective), the checkpoint rule, and
-flag validation. The patch series itself: test_megatron_lm_patch.py.
+and FL+HSDP, with and without overlap, averaging in the collective), the checkpoint rule, the
+outer optimizer and the sparse sync against their references, and flag validation. The patch
+series itself: test_megatron_lm_patch.py.
 """
 
 import pytest
@@ -236,6 +237,60 @@ def _outer_job(rank, world, tmp):
         out["missing"] = "no error"
     except FileNotFoundError as e:
         out["missing"] = str(e)
+    out.update(_sparse_syncs(h, ddp, opt, rank))
+    return out
+
+
+def _sparse_syncs(h, ddp, opt, rank):
+    """The sparse sync (int2 values, the top 64 of each 4,096, error feedback decayed by 0.95) through
+    the Megatron-LM loop, against its reference bucket by bucket: after each sync the main shards are
+    the anchor minus the mean of what each group sent of 0.95 x its residual + its pseudo-gradient
+    (the codec's own choice, fl_test_utils.sparse_sent), and each rank's residual keeps the rest."""
+    from fl_megatron.config.parallel import FederationConfig
+    from fl_megatron.costs import SPARSE_CHUNK
+    from fl_megatron.federation.sparse import SparseCodec
+    from fl_megatron.integrations.megatron_lm import FederatedOuterLoop
+    from fl_test_utils import sparse_sent
+
+    density = 64 / SPARSE_CHUNK
+    config = FederationConfig(num_groups=2, sync_interval=2, sync_dtype="int2", topk_density=density,
+                              error_feedback=True)
+    loop = FederatedOuterLoop([ddp], opt, config, train_iters=100, log=lambda s: None)
+    peers, codec = loop.groups.peer_ranks, SparseCodec(density, "int2")
+    averager = loop.engine.state.averagers[0]
+    sizes = [m.numel() for m in loop.main_shards()]
+    chunks = averager.plan(loop.main_shards())
+
+    def buckets(flat):  # flat main shards cut as the averager cuts them
+        parts = flat.split(sizes)
+        return [torch.cat([parts[s.index][s.start:s.start + s.length] for s in c.segments]) for c in chunks]
+
+    anchor = buckets(_mains(loop))
+    residuals = {p: [torch.zeros_like(b) for b in anchor] for p in peers}
+    out = {"sparse_err": [], "sparse_residual_err": [], "sparse_moved": [], "sparse_same": []}
+    for step in range(8, 12):
+        h.train_step(ddp, opt, h.batch(rank, step))
+        if step % 2:
+            loop.after_iteration(step)
+            continue
+        everyone = {p: buckets(x) for p, x in enumerate(h.gather(_mains(loop))) if p in peers}
+        sent = {}
+        for p in peers:
+            carried = [0.95 * r + (a - b) for r, a, b in zip(residuals[p], anchor, everyone[p])]
+            sent[p] = [sparse_sent(codec, c) for c in carried]
+            residuals[p] = [c - x for c, x in zip(carried, sent[p])]
+        expected = [a - sum(sent[p][i] for p in peers) / len(peers) for i, a in enumerate(anchor)]
+        loop.after_iteration(step)
+        after = buckets(_mains(loop))
+        out["sparse_err"].append(max((x - e).abs().max().item() for x, e in zip(after, expected)))
+        kept = [averager.residuals[i][:len(b)] for i, b in enumerate(anchor)]
+        out["sparse_residual_err"].append(max((k - r).abs().max().item() for k, r in zip(kept, residuals[rank])))
+        moved = sum(int((x != a).sum()) for x, a in zip(after, anchor))
+        most = len(peers) * 64 * sum(-(-len(a) // SPARSE_CHUNK) for a in anchor)  # k per chunk per group
+        out["sparse_moved"].append((moved, most, sum(sizes)))
+        same = [torch.cat(b) for p, b in ((p, buckets(x)) for p, x in enumerate(h.gather(_mains(loop)))) if p in peers]
+        out["sparse_same"].append(all(torch.equal(x, same[0]) for x in same))
+        anchor = after
     return out
 
 
@@ -246,6 +301,12 @@ def test_outer_step_matches_plain_torch_diloco_and_the_state_resumes(tmp_path):
         assert r["residuals_saved"] > 0 and r["state_equal"] and r["moments_equal"], r
         assert r["last_synced"] == 7
         assert "iteration 9 is not in" in r["missing"] and "needs it to resume" in r["missing"], r["missing"]
+        # the sparse sync: both syncs as the reference computes them, residuals included; it moves at
+        # most the top 64 of each chunk of each group, and the groups end bit-identical
+        assert len(r["sparse_err"]) == 2 and max(r["sparse_err"]) <= 1e-6, r["sparse_err"]
+        assert max(r["sparse_residual_err"]) <= 1e-6, r["sparse_residual_err"]
+        assert all(0 < moved <= most < size / 10 for moved, most, size in r["sparse_moved"]), r["sparse_moved"]
+        assert r["sparse_same"] == [True, True]
 
 
 # --- flags and validation (pure) ---------------------------------------------------------------

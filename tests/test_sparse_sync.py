@@ -11,6 +11,7 @@ from fl_megatron.config import FederationConfig
 from fl_megatron.costs import SPARSE_CHUNK, sparse_payload_bytes, wire_bytes_per_element
 from fl_megatron.federation import FederationEngine
 from fl_megatron.federation.sparse import SparseCodec
+from fl_test_utils import sparse_sent
 from test_engine_fake_backend import FakeBackend, _groups
 
 DENSITY = 64 / SPARSE_CHUNK
@@ -31,13 +32,6 @@ def _train(backend, step):
             shard.add_(torch.randn(shard.numel(), generator=g) * 1e-2)
 
 
-def _sent(codec: SparseCodec, carried: torch.Tensor) -> torch.Tensor:
-    """What the codec sends of `carried` (one region, padded to whole chunks), decoded."""
-    padded = torch.nn.functional.pad(carried, (0, -carried.numel() % SPARSE_CHUNK))
-    _, indices, decoded = codec.encode(padded)
-    return torch.zeros_like(padded).view(-1, SPARSE_CHUNK).scatter_(1, indices, decoded).view(-1)[:carried.numel()]
-
-
 def test_a_sparse_sync_moves_the_decoded_top_k_and_keeps_the_rest_decayed(world):
     """One rank as the peer group (the mean of one group is what it sent): after each sync the shards
     are the anchor minus what was sent of (decay x residual + anchor - shards), bucket by bucket;
@@ -54,7 +48,7 @@ def test_a_sparse_sync_moves_the_decoded_top_k_and_keeps_the_rest_decayed(world)
             assert synced is None
             continue
         carried = 0.95 * residual + (anchor - flat)  # the default decay with a sparse sync
-        sent = _sent(codec, carried)  # the two shards fit one bucket: one region, cut into chunks
+        sent = sparse_sent(codec, carried)  # the two shards fit one bucket: one region, cut into chunks
         anchor = anchor - sent
         residual = carried - sent
         assert torch.allclose(torch.cat([s.view(-1) for s in backend.shards]), anchor, atol=1e-6)

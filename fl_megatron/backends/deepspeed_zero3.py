@@ -21,6 +21,7 @@ from ..config.deepspeed_json import engine_config
 from ..config.resolved import ResolvedRun
 from ..federation.groups import ProcessGroups
 from ..models import build_model
+from ..torch_version import all_gather_flat
 from .common import InitialValues, SavesInTheForeground, flat_elements, own_singleton_group, wrap_blocks_for_recompute
 from .deepspeed_checks import within_group
 from .deepspeed_layout import CHECKPOINT_TAG
@@ -299,7 +300,7 @@ class DeepSpeedBackend(SavesInTheForeground):
         if self._dp_size == 1:
             gathered.copy_(mine)
         else:
-            dist.all_gather_into_tensor(gathered, mine, group=self.shard_group)
+            all_gather_flat(gathered, mine, group=self.shard_group)
         rows = gathered.view(self._dp_size, mine.numel())
         offset = 0
         for p, size in zip(params, sizes):

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..torch_version import all_gather_flat
 from .bucket_buffers import BucketBuffers
 from .chunks import Chunk, plan_chunks
 from .compression import compressed_mean_
@@ -35,7 +36,7 @@ def gather_slices(buffer: torch.Tensor, slice_index: int, group) -> None:
     """
     if dist.get_backend(group) != "gloo":
         part = buffer.numel() // dist.get_world_size(group)
-        dist.all_gather_into_tensor(buffer, buffer.narrow(0, slice_index * part, part), group=group)
+        all_gather_flat(buffer, buffer.narrow(0, slice_index * part, part), group=group)
         return
     slices = buffer.chunk(dist.get_world_size(group))
     works = [dist.broadcast(piece, group_src=i, group=group, async_op=True) for i, piece in enumerate(slices)]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..costs import QUANT_BITS
+from ..torch_version import all_gather_flat
 from ..costs import QUANT_BLOCK as BLOCK  # elements per scale: the wire format the cost model counts
 
 
@@ -98,7 +99,7 @@ def compressed_mean_(region: torch.Tensor, group, dtype: str, *, include: bool =
     mine = codec.encode(mean)
     gathered = [part.new_empty((size, *part.shape)) for part in mine]
     for out, inp in zip(gathered, mine):
-        dist.all_gather_into_tensor(out.view(-1), inp, group=group)
+        all_gather_flat(out.view(-1), inp, group=group)
     whole = torch.cat([codec.decode([part[j] for part in gathered]) for j in range(size)])
     region.copy_(whole[:n])
     return sum(part.numel() * part.element_size() for part in sent)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..costs import SPARSE_CHUNK, SPARSE_INDEX_BITS, SPARSE_VALUE_BITS, sparse_payload_bytes, sparse_picks
+from ..torch_version import all_gather_flat
 
 _HALF_LEVELS = {bits: 2 ** (bits - 1) for bits in (2, 4, 8)}
 
@@ -135,7 +136,7 @@ def sparse_mean_(region: torch.Tensor, group, density: float, value_dtype: str, 
         kept.scatter_add_(1, indices, -decoded)
         residual.copy_(padded[:n])
     gathered = payload.new_empty((size, payload.numel()))
-    dist.all_gather_into_tensor(gathered.view(-1), payload, group=group)
+    all_gather_flat(gathered.view(-1), payload, group=group)
     padded.zero_()
     for rank in range(size):  # in rank order: every rank adds the same numbers in the same order
         codec.add_decoded_(gathered[rank], padded)
