@@ -85,15 +85,25 @@ def in_flight_shards(overlapped: bool, fragments: int) -> float:
     return 2 / fragments if overlapped else 0.0
 
 
+def sync_state_parts(outer_optimizer: str, plain_average: bool, error_feedback: bool, overlapped: bool,
+                     fragments: int) -> Dict[str, float]:
+    """sync_state_shards by what holds them (those a rank keeps): the anchor with the outer
+    optimizer's state, the error-feedback residual, an overlapped sync's in-flight buffers."""
+    if plain_average:
+        return {}
+    held = {"fedavg": "anchor", "nesterov": "anchor + nesterov momentum", "adam": "anchor + adam moments"}
+    parts = {held[outer_optimizer]: _OUTER_STATE_SHARDS[outer_optimizer],
+             "error-feedback residual": float(error_feedback),
+             "overlapped sync in flight": in_flight_shards(overlapped, fragments)}
+    return {name: shards for name, shards in parts.items() if shards}
+
+
 def sync_state_shards(outer_optimizer: str, plain_average: bool, error_feedback: bool, overlapped: bool,
                       fragments: int) -> float:
     """fp32 shard-sized buffers a rank keeps for the sync: anchor and outer optimizer state
     (fedavg with lr != 1 or compressed: 1, nesterov: 2, adam: 3), one for error feedback, and
     the in-flight buffers of an overlapped sync. A plain fp32 FedAvg keeps none."""
-    if plain_average:
-        return 0.0
-    return (_OUTER_STATE_SHARDS[outer_optimizer] + int(error_feedback)
-            + in_flight_shards(overlapped, fragments))
+    return float(sum(sync_state_parts(outer_optimizer, plain_average, error_feedback, overlapped, fragments).values()))
 
 
 def wire_shards_per_sync(graph: str, groups: int) -> float:
@@ -295,16 +305,26 @@ def average_per_step(layout: Layout, num_params: int, sync_interval: int,
 _OPTIMIZER_STATE_BYTES = MappingProxyType({"adamw": 8, "adam": 8, "sgd": 0})
 
 
-# A sync's transient buffers, in buckets of --fl-bucket-mb: two packed buckets in flight, and for a
-# compressed sync about five fp32 copies of the bucket being encoded (the padded input, the
-# received pieces decoded, their stack, the mean re-encoded and gathered back).
+# A sync's transient buffers, in buckets of --fl-bucket-mb: two packed buckets in flight, and fp32
+# copies of the bucket being encoded, by codec (sync_codec). A dense compressed sync holds the padded
+# input, its encoding decoded for the residual, the received pieces decoded, their stack, the mean
+# re-encoded and gathered back; a sparse one the padded input and its magnitudes (the picks are
+# k / 4,096 of it; the gathered payloads add F x 0.7 % at int2 over F groups). Measured as the peak
+# resident memory of one average of a 32-256 MiB bucket on one rank, which varies with the allocator's
+# reuse: int4, int8 and bf16 5.3-7.0, sparse 1.5-2.2 (tests/test_sync_buffer_memory.py checks these
+# bound it).
 PACKED_BUCKETS_IN_FLIGHT = 2
-COMPRESSION_BUCKET_COPIES = 5
+SYNC_BUCKET_COPIES = MappingProxyType({"fp32": 0, "dense": 7.5, "sparse": 2.5})
 
 
-def sync_buffer_bytes(bucket_bytes: float, compressed: bool) -> float:
-    """Peak transient memory of one sync beyond the shards, per rank."""
-    return bucket_bytes * (PACKED_BUCKETS_IN_FLIGHT + (COMPRESSION_BUCKET_COPIES if compressed else 0))
+def sync_codec(sync_dtype: str, topk_density: float = 0.0) -> str:
+    """Which of SYNC_BUCKET_COPIES' codecs a sync in `sync_dtype` at `topk_density` runs."""
+    return "sparse" if topk_density else ("fp32" if sync_dtype == "fp32" else "dense")
+
+
+def sync_buffer_bytes(bucket_bytes: float, codec: str) -> float:
+    """Peak transient memory of one sync beyond the shards, per rank (`codec`: sync_codec's)."""
+    return bucket_bytes * (PACKED_BUCKETS_IN_FLIGHT + SYNC_BUCKET_COPIES[codec])
 
 
 def estimate_memory_per_rank(layout: Layout, num_params: int, num_layers: int,

@@ -164,13 +164,16 @@ def test_recompute_keeps_block_inputs_plus_one_block():
 
 
 def test_sync_buffers_and_unfused_attention_are_counted():
-    """A sync's transient buckets (five more fp32 copies when compressed) and megatron's
-    unfused attention (the s x s scores) are in the per-rank estimate."""
-    from fl_megatron.costs import COMPRESSION_BUCKET_COPIES, PACKED_BUCKETS_IN_FLIGHT, sync_buffer_bytes
+    """A sync's transient buckets (more fp32 copies when compressed, fewer when sparse) and
+    megatron's unfused attention (the s x s scores) are in the per-rank estimate."""
+    from fl_megatron.costs import PACKED_BUCKETS_IN_FLIGHT, SYNC_BUCKET_COPIES, sync_buffer_bytes, sync_codec
 
     bucket = 32 * 2**20
-    assert sync_buffer_bytes(bucket, False) == PACKED_BUCKETS_IN_FLIGHT * bucket
-    assert sync_buffer_bytes(bucket, True) == (PACKED_BUCKETS_IN_FLIGHT + COMPRESSION_BUCKET_COPIES) * bucket
+    assert [sync_codec("fp32"), sync_codec("int4"), sync_codec("int2", 0.0156)] == ["fp32", "dense", "sparse"]
+    assert sync_buffer_bytes(bucket, "fp32") == PACKED_BUCKETS_IN_FLIGHT * bucket
+    for codec in ("dense", "sparse"):
+        assert sync_buffer_bytes(bucket, codec) == (PACKED_BUCKETS_IN_FLIGHT + SYNC_BUCKET_COPIES[codec]) * bucket
+    assert SYNC_BUCKET_COPIES["sparse"] < SYNC_BUCKET_COPIES["dense"]
     layout = make_layout(8, ranks_per_node=4, group_size=4)
     args = dict(num_layers=2, hidden_size=64, seq_length=4096, micro_batch_size=1, vocab_size=512,
                 num_attention_heads=4)

@@ -121,3 +121,23 @@ def test_dry_run_warns_when_the_memory_estimate_exceeds_the_device(capsys, monke
     assert warning("--recompute-activations") is None
     assert warning("--device-memory-gib", "141") is None
     assert "exceeds the 40 GiB" in warning("--recompute-activations", "--device-memory-gib", "40")
+
+
+def test_dry_run_says_what_the_sparse_syncs_memory_holds(capsys, monkeypatch):
+    """The README's 8B FL+HSDP layout with the sparse sync: the sync state is the anchor and the
+    error-feedback residual, one fp32 shard each (8.03e9 x 4 bytes / 4 ranks of a shard group);
+    the top-k selection adds 2.5 fp32 copies of a 32 MiB bucket to the two packed ones."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--model", "llama3.1-8b", "--world-size", "512", "--ranks-per-node", "4", "--fl-group-size", "32",
+            "--fl-hsdp-shard-size", "4", "--bf16", "--micro-batch-size", "2", "--seq-length", "8192",
+            "--recompute-activations", "--fl-sync-dtype", "int2", "--fl-topk-density", "0.0156",
+            "--fl-error-feedback", "--dry-run"]
+    assert main(argv) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith(("outer_state", "sync_buffers"))}
+    shard_gib = 4 * 8_030_261_248 / 4 / 2**30
+    assert float(lines["outer_state"].split()[1]) == pytest.approx(2 * shard_gib, abs=0.05)
+    assert "(fp32 shards: anchor 1, error-feedback residual 1)" in lines["outer_state"]
+    assert lines["sync_buffers"].split()[1:3] == [f"{(2 + 2.5) * 32:.1f}", "MiB"]
+    assert "2.5 fp32 copies of one for the top-k selection" in lines["sync_buffers"]

@@ -13,9 +13,9 @@ from ..cost_model.compare import compare_text
 from ..cost_model.network import Cluster
 from ..cost_model.tune import Measured, SyncMode, TuneBounds, tune
 from ..cost_model.workload import gradient_bytes, workload_for
-from ..costs import (average_per_step, checkpoint_bytes, estimate_memory_per_rank, format_bytes,
-                     saved_outer_copies, step_comm, sync_buffer_bytes, sync_comm, sync_state_bytes, sync_state_shards,
-                     working_bytes)
+from ..costs import (PACKED_BUCKETS_IN_FLIGHT, SYNC_BUCKET_COPIES, average_per_step, checkpoint_bytes,
+                     estimate_memory_per_rank, format_bytes, saved_outer_copies, step_comm, sync_buffer_bytes,
+                     sync_codec, sync_comm, sync_state_bytes, sync_state_parts, sync_state_shards, working_bytes)
 from ..models import build_model
 from ..group_layout import GroupLayout, group_sizes_of
 from ..topology import Layout
@@ -134,13 +134,13 @@ def model_sizes(model_cfg) -> tuple[tuple[int, int, int], int]:
 
 
 def memory_estimate(run: ResolvedRun, num_params: int, largest_layer_params: int, outer_state_shards: float,
-                    compressed: Optional[bool]) -> dict:
+                    codec: Optional[str]) -> dict:
     """The per-rank memory estimate of the dry run for a sync keeping `outer_state_shards` fp32
-    shards, compressed or not (None: no sync buffers, nothing syncs)."""
+    shards and encoding with `codec` (costs.sync_codec; None: no sync buffers, nothing syncs)."""
     cfg, layout = run.cfg, run.layout
     m, t, fed = cfg.model, cfg.training, cfg.federation
-    buffers = 0 if compressed is None else sync_buffer_bytes(min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
-                                                             compressed)
+    buffers = 0 if codec is None else sync_buffer_bytes(min(fed.bucket_mb * 2**20, 4 * num_params / layout.shard_size),
+                                                        codec)
     return estimate_memory_per_rank(layout, num_params, m.num_layers, m.hidden_size, t.seq_length,
                                     t.micro_batch_size, m.vocab_size, m.num_attention_heads, bf16=t.bf16,
                                     optimizer=t.optimizer, largest_layer_params=largest_layer_params,
@@ -160,7 +160,25 @@ def run_memory_estimate(run: ResolvedRun, counts: Optional[tuple] = None, larges
     fed = run.cfg.federation
     syncing = fed.syncing and run.layout.is_federated
     return memory_estimate(run, counts[0], largest, fed.outer_state_shards if syncing else 0,
-                           fed.sync_dtype != "fp32" if syncing else None)
+                           sync_codec(fed.sync_dtype, fed.topk_density) if syncing else None)
+
+
+def _memory_notes(run: ResolvedRun) -> dict[str, str]:
+    """What the sync's lines of the memory estimate hold: fp32 shards by use, bucket copies by codec."""
+    fed = run.cfg.federation
+    if not (fed.syncing and run.layout.is_federated):
+        return {}
+    codec = sync_codec(fed.sync_dtype, fed.topk_density)
+    buffers = f"{PACKED_BUCKETS_IN_FLIGHT} packed buckets of <= {fed.bucket_mb:g} MiB"
+    if SYNC_BUCKET_COPIES[codec]:
+        what = "the top-k selection" if codec == "sparse" else "encoding"
+        buffers += f" + {SYNC_BUCKET_COPIES[codec]:g} fp32 copies of one for {what}"
+    parts = sync_state_parts(fed.outer_optimizer, fed.plain_average, fed.error_feedback, bool(fed.overlap_steps),
+                             fed.fragments)
+    notes = {"sync_buffers": buffers}
+    if parts:
+        notes["outer_state"] = "fp32 shards: " + ", ".join(f"{name} {n:g}" for name, n in parts.items())
+    return notes
 
 
 def mode_memory(run: ResolvedRun, counts: tuple, largest: int, mode: SyncMode) -> float:
@@ -170,7 +188,7 @@ def mode_memory(run: ResolvedRun, counts: tuple, largest: int, mode: SyncMode) -
              and not mode.overlap_steps)
     shards = sync_state_shards(fed.outer_optimizer, plain, mode.error_feedback, bool(mode.overlap_steps),
                                mode.fragments)
-    return memory_estimate(run, counts[0], largest, shards, mode.sync_dtype != "fp32")["total"]
+    return memory_estimate(run, counts[0], largest, shards, sync_codec(mode.sync_dtype, mode.topk_density))["total"]
 
 
 def _tune_lines(run: ResolvedRun, counts: tuple, largest: int) -> list[str]:
@@ -196,7 +214,7 @@ def dry_run_report(run: ResolvedRun) -> str:
                           *unequal_dry_run_lines(run, num_params, largest, memory_estimate, _memory_warning),
                           *_start_lines(run), _checkpoint_line(cfg, layout, num_params)])
     param_bytes = working_bytes(t.bf16)
-    memory = run_memory_estimate(run, counts, largest)
+    memory, notes = run_memory_estimate(run, counts, largest), _memory_notes(run)
     h = fed.sync_interval if (fed.syncing and layout.is_federated) else 0
     once = cfg.parallel.backend == "megatron"
     per_step = step_comm(layout, num_params, param_bytes=param_bytes, grad_bytes=gradient_bytes(cfg), micro_batches=accum,
@@ -219,7 +237,7 @@ def dry_run_report(run: ResolvedRun) -> str:
         "",
         f"  memory per rank (estimate, {'bf16' if t.bf16 else 'fp32'} compute, {t.optimizer}"
         f"{', activations recomputed' if t.recompute_activations else ''}):",
-        *(f"    {k:<18} {format_bytes(v):>10}" for k, v in memory.items()),
+        *(f"    {k:<18} {format_bytes(v):>10}" + (f"  ({notes[k]})" if k in notes else "") for k, v in memory.items()),
         *_memory_warning(cfg, memory["total"]),
         "",
         "  communication per rank (ring formulas, payload on the wire):",

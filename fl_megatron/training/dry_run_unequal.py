@@ -7,7 +7,7 @@ import time
 from ..atom_plan import plan_for_shapes
 from ..config import ResolvedRun
 from ..cost_model.workload import gradient_bytes
-from ..costs import format_bytes, step_comm, wire_bytes_per_element, working_bytes
+from ..costs import format_bytes, step_comm, sync_codec, wire_bytes_per_element, working_bytes
 from ..federation.vote import GROUP_SLOTS
 from ..group_layout import GroupLayout
 from ..models import build_model
@@ -34,7 +34,7 @@ def unequal_dry_run_lines(run: ResolvedRun, num_params: int, largest: int, memor
     for f, g in enumerate(layout.groups):
         alone = _alone(run, layout, f)
         memory = memory_estimate(alone, num_params, largest, fed.outer_state_shards if syncing else 0,
-                                 False if syncing else None)
+                                 sync_codec(fed.sync_dtype, fed.topk_density) if syncing else None)
         step = step_comm(alone.layout, num_params, param_bytes=working_bytes(t.bf16), grad_bytes=gradient_bytes(cfg),
                          micro_batches=accum)
         tiers = step.bytes_by_tier
