@@ -255,7 +255,8 @@ def sync_comm(layout: Layout, num_params: int, master_bytes: float = 4,
     then the replica group all-gathers the slices: (Psi/S)*(P-1)/P.
     A gossip `graph` sends the same piece to each of its out-neighbours instead (none: nothing).
     `gathered` (the sparse sync): every group's payload all-gathered, (F-1) payloads of the piece
-    at `master_bytes` per element; the replicas then gather fp32 slices.
+    at `master_bytes` per element. Whatever the codec, the replicas then gather the averaged slices
+    in fp32 (averaging.gather_slices).
     """
     _check_params(num_params)
     f, p, s = layout.num_groups, layout.replicas, layout.shard_size
@@ -273,7 +274,7 @@ def sync_comm(layout: Layout, num_params: int, master_bytes: float = 4,
                               piece * out_degree(graph, f), master_bytes)]
     if split:
         entries += _collective(layout, "all_gather_replica_slices", "all_gather", "replica",
-                               p, shard, 4 if gathered else master_bytes)
+                               p, shard, 4)
     return CommBreakdown(tuple(entries))
 
 

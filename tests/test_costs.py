@@ -73,6 +73,12 @@ def test_replica_split_divides_inter_group_bytes_by_p():
         naive.bytes_by_scope["inter-group"] / 8)
     assert split.bytes_by_scope["intra-group"] == pytest.approx((PSI / 4) * 7 / 8 * 4)
     assert naive.bytes_by_scope["intra-group"] == 0
+    # a compressed or sparse sync crosses groups at its own width, and the replicas still gather
+    # the averaged slices in fp32 (the buffer, averaging.gather_slices)
+    for width, gathered in ((wire_bytes_per_element("int4"), False), (wire_bytes_per_element("int2", 0.0156), True)):
+        coded = sync_comm(layout, PSI, master_bytes=width, replica_split=True, gathered=gathered)
+        assert coded.bytes_by_scope["intra-group"] == pytest.approx((PSI / 4) * 7 / 8 * 4)
+        assert coded.bytes_by_scope["inter-group"] < split.bytes_by_scope["inter-group"] / 4
 
 
 def test_tiers_groups_of_one_node():
