@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from fl_megatron.config import RunConfig, resolve
+from fl_megatron.costs import SPARSE_CHUNK
 from fl_megatron.models import get_preset
 from fl_megatron.training.launch import read_launch_env
 from fl_megatron.training.trainer import Trainer
@@ -92,7 +93,6 @@ def sync_outcome(trainer, results: list) -> dict:
 
 def sparse_sent(codec, carried: torch.Tensor) -> torch.Tensor:
     """What a SparseCodec sends of `carried` (one region, padded to whole chunks), decoded."""
-    from fl_megatron.costs import SPARSE_CHUNK
     padded = torch.nn.functional.pad(carried, (0, -carried.numel() % SPARSE_CHUNK))
     _, indices, decoded = codec.encode(padded)
     return torch.zeros_like(padded).view(-1, SPARSE_CHUNK).scatter_(1, indices, decoded).view(-1)[:carried.numel()]

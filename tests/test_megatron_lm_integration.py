@@ -288,7 +288,7 @@ def _sparse_syncs(h, ddp, opt, rank):
         moved = sum(int((x != a).sum()) for x, a in zip(after, anchor))
         most = len(peers) * 64 * sum(-(-len(a) // SPARSE_CHUNK) for a in anchor)  # k per chunk per group
         out["sparse_moved"].append((moved, most, sum(sizes)))
-        same = [torch.cat(b) for p, b in ((p, buckets(x)) for p, x in enumerate(h.gather(_mains(loop)))) if p in peers]
+        same = [x for p, x in enumerate(h.gather(_mains(loop))) if p in peers]
         out["sparse_same"].append(all(torch.equal(x, same[0]) for x in same))
         anchor = after
     return out

@@ -20,6 +20,15 @@ from fl_megatron.federation.sparse import sparse_mean_
 def peak():
     return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size back to the current one
+
+try:
+    reset_peak()
+except OSError as e:
+    print(json.dumps({"unavailable": str(e)}))
+    raise SystemExit(0)
 n, out = 16 * 2**20, {}
 for name, run in (("int4", lambda r, e: compressed_mean_(r, None, "int4", residual=e)),
                   ("int8", lambda r, e: compressed_mean_(r, None, "int8", residual=e)),
@@ -27,8 +36,7 @@ for name, run in (("int4", lambda r, e: compressed_mean_(r, None, "int4", residu
                   ("sparse-int2", lambda r, e: sparse_mean_(r, None, 0.0156, "int2", e, decay=0.95)),
                   ("sparse-bf16", lambda r, e: sparse_mean_(r, None, 0.05, "bf16", e, decay=0.95))):
     region, residual = torch.randn(n), torch.zeros(n)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident size back to the current one
+    reset_peak()
     before = peak()
     run(region, residual)
     out[name] = (peak() - before) / (4 * n)
@@ -37,22 +45,14 @@ print(json.dumps(out))
 """
 
 
-def _can_reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_reset_peak(),
-                    reason="needs Linux's resettable peak resident size (/proc/self/clear_refs)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc/self/status and clear_refs")
 def test_the_dry_runs_bucket_copies_bound_what_one_average_holds(tmp_path):
     done = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, timeout=300,
                           env={"STORE": str(tmp_path / "store"), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if "unavailable" in measured:
+        pytest.skip(f"the peak resident size cannot be reset here: {measured['unavailable']}")
     for codec, names in (("dense", ("int4", "int8", "bf16")), ("sparse", ("sparse-int2", "sparse-bf16"))):
         copies = [measured[name] for name in names]
         assert max(copies) <= SYNC_BUCKET_COPIES[codec] <= max(copies) + 2, (codec, measured)

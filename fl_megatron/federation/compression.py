@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..costs import QUANT_BITS
-from ..torch_version import all_gather_flat
 from ..costs import QUANT_BLOCK as BLOCK  # elements per scale: the wire format the cost model counts
+from ..torch_version import all_gather_flat
 
 
 def quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
